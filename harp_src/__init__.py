@@ -1,0 +1,8 @@
+"""HARP — High-layer Attention Rescaled Pruning (Liu & Liu, arXiv 2507.01900): reference implementation."""
+
+from .data import ppl_windows
+from .evaluate import perplexity
+from .harp import HarpPlan, apply_harp, param_report
+from .models import load_model
+
+__all__ = ["load_model", "ppl_windows", "perplexity", "apply_harp", "HarpPlan", "param_report"]

@@ -1,0 +1,46 @@
+"""Perplexity: exp of the mean next-token NLL over every predicted token of a set of windows."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .models import text_config
+
+
+def _check_windows(model, windows: torch.Tensor) -> None:
+    if not isinstance(windows, torch.Tensor) or windows.ndim != 2 or windows.numel() == 0 or windows.shape[1] < 2:
+        raise ValueError("windows must be a non-empty LongTensor [n_windows, seq_len] with seq_len >= 2")
+    limit = getattr(text_config(model.config), "max_position_embeddings", None)
+    if limit is not None and windows.shape[1] > limit:
+        raise ValueError(f"windows are {windows.shape[1]} tokens long but the model's context is {limit} tokens")
+
+
+@torch.no_grad()
+def nll_sum(model, windows: torch.Tensor, batch_size: int = 4, progress: bool = True) -> tuple[float, int]:
+    """Summed next-token NLL (nats) and the number of predicted tokens.
+
+    Args:
+        windows: LongTensor [n, T]; every position after the first is predicted.
+    """
+    _check_windows(model, windows)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    batches = range(0, len(windows), batch_size)
+    for start in tqdm(batches, desc="perplexity", leave=False, disable=not progress):
+        ids = windows[start : start + batch_size].to(device)
+        logits = model(input_ids=ids, use_cache=False).logits
+        total += F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum"
+        ).item()
+        count += ids[:, 1:].numel()
+    return total, count
+
+
+def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool = True) -> float:
+    """exp(mean token NLL) over all predicted tokens of `windows` [n, T]."""
+    total, count = nll_sum(model, windows, batch_size, progress)
+    return math.exp(total / count)

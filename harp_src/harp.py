@@ -1,0 +1,307 @@
+"""HARP itself: delete W_Q/W_K of chosen layers, replace attention by its A = I bypass, rescale by α.
+
+Per pruned layer ℓ (paper eq. for H = H + α·H W_V W_O, GQA heads in `repeat_kv` order):
+    h = h + α · o_proj(repeat_kv(v_proj(norm(h))))        (Gemma: α multiplies the post-attention-norm output)
+α = 0 removes the whole attention sub-layer. Pruned layers get a no-storage slot in every KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .models import Adapter, fingerprint, get_adapter, repeat_heads, text_config
+
+
+# ---------------------------------------------------------------------------------------------- modules
+class BypassAttention(nn.Module):
+    """Attention with the attention matrix fixed to the identity: each token is mixed only with itself.
+
+    `n_rep > 1` repeats KV heads before o_proj (unfolded form); folded, o_proj already sums the repeated
+    heads and `n_rep == 1`. `scale` is α when it is not folded into the weights.
+    """
+
+    def __init__(self, v_proj: nn.Linear, o_proj: nn.Linear, head_dim: int, n_rep: int, scale: float | None):
+        super().__init__()
+        self.v_proj, self.o_proj = v_proj, o_proj
+        self.head_dim, self.n_rep, self.scale = head_dim, n_rep, scale
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
+        out = self.o_proj(repeat_heads(self.v_proj(hidden_states), self.head_dim, self.n_rep))
+        if self.scale is not None:
+            out = out * self.scale
+        return out, None  # no attention weights exist: output_attentions cannot bring attention back
+
+    def extra_repr(self) -> str:
+        return f"n_rep={self.n_rep}, scale={self.scale}"
+
+
+class DroppedAttention(nn.Module):
+    """α = 0: the attention sub-layer is gone; it adds nothing to the residual stream."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
+        return torch.zeros_like(hidden_states), None
+
+
+class Scaled(nn.Module):
+    """Multiply a module's output by α (Gemma's unfolded form: α after the post-attention norm)."""
+
+    def __init__(self, inner: nn.Module, scale: float):
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale
+
+
+def is_pruned(layer: nn.Module) -> bool:
+    return isinstance(layer.self_attn, (BypassAttention, DroppedAttention))
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class HarpPlan:
+    """Which layers are pruned with which α, for which model; reproducible from the base weights."""
+
+    fingerprint: dict
+    alphas: dict[int, float]
+    fold: bool = True
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.alphas)
+
+    def apply(self, model: nn.Module) -> HarpPlan:
+        """Prune `model` in place by this plan (refused if the model's fingerprint differs)."""
+        found = fingerprint(model.config)
+        if found != self.fingerprint:
+            diff = {k: (self.fingerprint.get(k), found.get(k)) for k in found if self.fingerprint.get(k) != found[k]}
+            raise ValueError(f"this plan was made for another model: (plan, model) differ in {diff}")
+        return apply_harp(model, self.layers, self.alphas, fold=self.fold, meta=self.meta)
+
+    def to_dict(self) -> dict:
+        return {
+            "fingerprint": self.fingerprint,
+            "alphas": {str(k): v for k, v in sorted(self.alphas.items())},
+            "fold": self.fold,
+            "meta": self.meta,
+        }
+
+    def to_json(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HarpPlan:
+        return cls(d["fingerprint"], {int(k): float(v) for k, v in d["alphas"].items()}, d.get("fold", True),
+                   d.get("meta", {}))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> HarpPlan:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def parse_layers(spec: str | Iterable[int], n_layers: int) -> list[int]:
+    """'top:8', 'bottom:4', '3,5,7', '20-29' or an iterable of ints -> sorted list of 0-based layers."""
+    if not isinstance(spec, str):
+        return [int(i) for i in spec]
+    spec = spec.strip()
+    if ":" in spec:
+        where, n = spec.split(":", 1)
+        n = int(n)
+        if not 0 <= n <= n_layers:
+            raise ValueError(f"'{spec}': N must be in 0..{n_layers}")
+        if where == "top":
+            return list(range(n_layers - n, n_layers))
+        if where == "bottom":
+            return list(range(n))
+        raise ValueError(f"'{spec}': use top:N, bottom:N, a range a-b or a list a,b,c")
+    out: list[int] = []
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+    return out
+
+
+def _check_alphas(layers: list[int], alphas: float | dict[int, float]) -> dict[int, float]:
+    if not isinstance(alphas, dict):
+        alphas = {i: alphas for i in layers}
+    alphas = {int(k): v for k, v in alphas.items()}
+    missing, extra = set(layers) - set(alphas), set(alphas) - set(layers)
+    if missing or extra:
+        raise ValueError(f"alphas must give one α per pruned layer: missing {sorted(missing)}, extra {sorted(extra)}")
+    for layer, a in alphas.items():
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or not 0.0 <= a <= 1.0:
+            raise ValueError(f"α for layer {layer} is {a!r}: α must be a number in [0, 1]")
+    return {k: float(v) for k, v in alphas.items()}
+
+
+def _check_layers(adapter: Adapter, layers) -> list[int]:
+    layers = list(layers)
+    for i in layers:
+        adapter.check_layer(i)
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers {layers} contain duplicates; give each layer once")
+    already = [i for i in layers if is_pruned(adapter.layers[i])]
+    if already:
+        raise ValueError(f"layers {already} are already pruned; start again from the base model to re-prune them")
+    return sorted(layers)
+
+
+# ---------------------------------------------------------------------------------------------- pruning
+def _folded_o_proj(adapter: Adapter, o_proj: nn.Linear, scale: float) -> nn.Linear:
+    """o_proj over KV heads: W'[:, kv] = scale · Σ_{g : g // n_rep = kv} W[:, g] (exact, fewer FLOPs)."""
+    w = o_proj.weight.unflatten(1, (adapter.n_kv_heads, adapter.n_rep, adapter.head_dim)).sum(dim=2).flatten(1)
+    new = nn.Linear(w.shape[1], w.shape[0], bias=o_proj.bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        new.weight.copy_(w * scale)
+        if o_proj.bias is not None:
+            new.bias.copy_(o_proj.bias * scale)
+    return new
+
+
+def _prune_layer(adapter: Adapter, i: int, alpha: float, fold: bool) -> None:
+    layer = adapter.layers[i]
+    attn = layer.self_attn
+    sandwich = adapter.spec.sandwich
+    if alpha == 0.0:
+        layer.self_attn = DroppedAttention()
+        layer.input_layernorm = nn.Identity()
+        if sandwich:
+            layer.post_attention_layernorm = nn.Identity()
+        return
+    # α goes where it is not undone by a norm: into o_proj, or after Gemma's post-attention norm
+    o_scale = 1.0 if sandwich else alpha
+    if fold:
+        layer.self_attn = BypassAttention(attn.v_proj, _folded_o_proj(adapter, attn.o_proj, o_scale),
+                                          adapter.head_dim, 1, None)
+        if sandwich:
+            norm = layer.post_attention_layernorm
+            with torch.no_grad():  # (1 + w') = α (1 + w)
+                norm.weight.copy_(alpha * (adapter.spec.norm_offset + norm.weight) - adapter.spec.norm_offset)
+    else:
+        layer.self_attn = BypassAttention(attn.v_proj, attn.o_proj, adapter.head_dim, adapter.n_rep,
+                                          None if sandwich else alpha)
+        if sandwich:
+            layer.post_attention_layernorm = Scaled(layer.post_attention_layernorm, alpha)
+
+
+def _mark_kv_free(model: nn.Module, layers: list[int]) -> None:
+    """Give pruned layers a no-storage cache slot.
+
+    transformers builds each cache layer from the config; a layer whose `kv_sharing_modes` entry is "reuse"
+    gets a `DummyLayer` (stores nothing, skipped by sequence-length and mask bookkeeping). That keeps
+    cache indexing right for any layer set, bottom and middle included.
+    """
+    cfg = text_config(model.config)
+    modes = list(getattr(cfg, "kv_sharing_modes", None) or [None] * cfg.num_hidden_layers)
+    for i in layers:
+        modes[i] = "reuse"
+    if all(m == "reuse" for m in modes):
+        # every layer bypassed: transformers needs one ordinary slot to ask for the sequence length; it stays
+        # empty (nothing calls update), which is harmless because no layer uses positions or masks any more
+        modes[0] = None
+    cfg.kv_sharing_modes = modes
+
+
+def apply_harp(
+    model: nn.Module,
+    layers: Iterable[int] | str,
+    alphas: float | dict[int, float] = 1.0,
+    fold: bool = True,
+    meta: dict | None = None,
+) -> HarpPlan:
+    """Turn `model` into a HARP model in place and return the plan that reproduces it.
+
+    Args:
+        model: a loaded causal LM of a supported family.
+        layers: 0-based layer indices, or a spec such as "top:8", "bottom:8", "3,5,7", "20-29".
+        alphas: {layer: α} with α in [0, 1], or one α for all layers. α = 0 drops the attention sub-layer.
+        fold: fold the KV-head repeat and α into the weights (exact; fewer parameters and FLOPs).
+        meta: free-form provenance stored in the plan (e.g. how α was chosen).
+    Returns:
+        The HarpPlan; `model.harp_plan` holds the union of all plans applied so far.
+    """
+    adapter = get_adapter(model)
+    layers = _check_layers(adapter, parse_layers(layers, adapter.n_layers))
+    alphas = _check_alphas(layers, alphas)
+    # all checks passed: from here on the model changes
+    for i in layers:
+        _prune_layer(adapter, i, alphas[i], fold)
+    _mark_kv_free(model, layers)
+    plan = HarpPlan(fingerprint(model.config), alphas, fold, dict(meta or {}))
+    previous = getattr(model, "harp_plan", None)
+    model.harp_plan = plan if previous is None else HarpPlan(
+        plan.fingerprint, {**previous.alphas, **alphas}, fold, {**previous.meta, **plan.meta})
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------- accounting
+def _linear_params(module: nn.Module) -> int:
+    return sum(p.numel() for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters())
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def param_report(model_or_config, plan: HarpPlan) -> dict:
+    """Parameters HARP removes, computed on a weightless (meta-device) copy of the dense model.
+
+    Paper convention (official code): denominator = all nn.Linear parameters inside decoder layers;
+    removed = N·(Q + K) + #{α = 0}·(V + O). `removed_params` is what apply_harp really deletes (folding
+    included), over the whole model. `kv_cache_cut` = N / L.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    if fingerprint(config) != plan.fingerprint:
+        raise ValueError("this plan was made for another model (fingerprints differ)")
+    dense = _meta_model(config)
+    adapter = get_adapter(dense)
+    total_before = sum(p.numel() for p in dense.parameters())
+    denom = sum(_linear_params(layer) for layer in adapter.layers)
+    removed_paper = 0
+    for i, a in plan.alphas.items():
+        attn = adapter.attention(i)
+        removed_paper += _linear_params(attn.q_proj) + _linear_params(attn.k_proj)
+        if a == 0.0:
+            removed_paper += _linear_params(attn.v_proj) + _linear_params(attn.o_proj)
+    unfolded = _meta_model(config)
+    HarpPlan(plan.fingerprint, plan.alphas, False).apply(unfolded)
+    removed_unfolded = total_before - sum(p.numel() for p in unfolded.parameters())
+    plan.apply(dense)
+    total_after = sum(p.numel() for p in dense.parameters())
+    return {
+        "params_before": total_before,
+        "params_after": total_after,
+        "params_removed": total_before - total_after,
+        "ratio_model": (total_before - total_after) / total_before,
+        "ratio_paper": removed_paper / denom,
+        "removed_paper": removed_paper,
+        "denominator_paper": denom,
+        "ratio_model_unfolded": removed_unfolded / total_before,
+        "n_pruned": len(plan.alphas),
+        "n_dropped": sum(a == 0.0 for a in plan.alphas.values()),
+        "kv_cache_cut": len(plan.alphas) / adapter.n_layers,
+    }
+
+
+def kv_cache_bytes(cache) -> int:
+    """Bytes of K/V tensors a transformers cache holds (pruned layers hold none)."""
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total

