@@ -1,0 +1,71 @@
+"""Batch runner: execute every notebook with a profile's parameters via papermill, keep going past failures.
+
+    python -m harp_src.runner --profile quick|full [--only 01 02]
+
+Executed copies go to .runs/<profile>/ (git-ignored); a summary table is printed; exit 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from .models import ROOT
+
+NOTEBOOKS = ROOT / "notebooks"
+
+
+def profile_parameters(profile: str, notebook: str) -> dict:
+    """Parameters for one notebook: the profile's `common` block, then its per-notebook block."""
+    path = NOTEBOOKS / "profiles" / f"{profile}.yaml"
+    if not path.exists():
+        names = sorted(p.stem for p in (NOTEBOOKS / "profiles").glob("*.yaml"))
+        raise SystemExit(f"no profile '{profile}': choose one of {names}")
+    spec = yaml.safe_load(path.read_text()) or {}
+    return {"PROFILE": profile, **spec.get("common", {}), **spec.get(notebook, {})}
+
+
+def run_notebook(path: Path, profile: str, out_dir: Path) -> tuple[str, float, str]:
+    import papermill as pm
+
+    start = time.time()
+    try:
+        pm.execute_notebook(str(path), str(out_dir / path.name), parameters=profile_parameters(profile, path.stem),
+                            cwd=str(NOTEBOOKS), progress_bar=False, request_save_on_cell_execute=True)
+        return "ok", time.time() - start, ""
+    except Exception as err:  # one failed notebook must not lose the others
+        return "FAILED", time.time() - start, str(err).strip().splitlines()[-1][:160] if str(err) else repr(err)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="quick", help="quick (CI sizes) or full (the study; writes figures/)")
+    parser.add_argument("--only", nargs="*", default=None, help="notebook number prefixes, e.g. 01 03")
+    args = parser.parse_args(argv)
+    notebooks = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    if args.only:
+        notebooks = [p for p in notebooks if p.name[:2] in args.only]
+        if not notebooks:
+            raise SystemExit(f"no notebook matches --only {args.only}")
+    profile_parameters(args.profile, "")  # fail fast on an unknown profile
+    out_dir = ROOT / ".runs" / args.profile
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for path in notebooks:
+        print(f"[{args.profile}] running {path.name} ...", flush=True)
+        rows.append((path.name, *run_notebook(path, args.profile, out_dir)))
+        print(f"[{args.profile}] {path.name}: {rows[-1][1]} in {rows[-1][2] / 60:.1f} min", flush=True)
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'notebook'.ljust(width)}  status  minutes  note")
+    for name, status, seconds, note in rows:
+        print(f"{name.ljust(width)}  {status:6}  {seconds / 60:7.1f}  {note}")
+    print(f"executed copies in {out_dir}")
+    return int(any(r[1] != "ok" for r in rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
