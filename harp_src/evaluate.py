@@ -44,3 +44,12 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool
     """exp(mean token NLL) over all predicted tokens of `windows` [n, T]."""
     total, count = nll_sum(model, windows, batch_size, progress)
     return math.exp(total / count)
+
+
+@torch.no_grad()
+def greedy_text(model, tok, prompt: str, max_new_tokens: int = 30) -> str:
+    """Greedy continuation of `prompt` (decoded new tokens only), with the KV cache."""
+    ids = tok(prompt, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -7,6 +7,7 @@ Per pruned layer ℓ (paper eq. for H = H + α·H W_V W_O, GQA heads in `repeat_
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Iterable
@@ -253,8 +254,8 @@ def _linear_params(module: nn.Module) -> int:
 def _meta_model(config):
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # a copy: pruning the meta model must not touch the caller's config
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
 
 
 def param_report(model_or_config, plan: HarpPlan) -> dict:

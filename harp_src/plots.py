@@ -92,3 +92,19 @@ def bars(df: pd.DataFrame, x: str, y: str, hue: str, title: str, xlabel: str, yl
     grid.set_axis_labels(xlabel, ylabel)
     grid.figure.suptitle(title, y=1.04)
     return grid.figure
+
+
+def line_panels(df: pd.DataFrame, x: str, y: str, col: str, hue: str, title: str, xlabel: str,
+                ylabels: dict | str, style: str | None = None, logy: tuple = ()):
+    """One panel per value of `col` (own y axis and label), lines by `hue` (and `style`)."""
+    set_theme()
+    grid = sns.relplot(data=df, x=x, y=y, col=col, hue=hue, style=style, kind="line", marker="o", markersize=4,
+                       height=3.6, aspect=1.15, facet_kws={"sharey": False}, errorbar=None)
+    for name, ax in grid.axes_dict.items():
+        ax.set_title(str(name))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabels[name] if isinstance(ylabels, dict) else ylabels)
+        if name in logy:
+            ax.set_yscale("log")
+    grid.figure.suptitle(title, y=1.04)
+    return grid.figure

@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from harp_src import HarpPlan, apply_harp, load_model, param_report
 from harp_src.harp import BypassAttention, kv_cache_bytes, parse_layers
-from harp_src.models import get_adapter
+from harp_src.models import fingerprint, get_adapter
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -174,6 +174,17 @@ def test_llama31_8b_paper_ratio():
     assert report["removed_paper"] == 8 * (4096 * 4096 + 4096 * 1024) + 3 * (4096 * 1024 + 4096 * 4096)
     assert report["kv_cache_cut"] == 8 / 32
     assert report["params_before"] == 8_030_261_248  # Llama-3.1-8B's published size
+
+
+def test_param_report_leaves_the_model_alone(ids):
+    """param_report prunes a weightless copy; the caller's model and config must not change."""
+    model = make_tiny("llama")
+    plan = HarpPlan(fingerprint(model.config), {3: 1.0})
+    before = n_params(model)
+    report = param_report(model, plan)
+    assert n_params(model) == before and getattr(model.config, "kv_sharing_modes", None) is None
+    assert report["params_removed"] > 0
+    model.generate(ids[:1], max_new_tokens=3, do_sample=False)  # the cache still has a slot for layer 3
 
 
 def test_parse_layers():

@@ -1,0 +1,98 @@
+"""Run a model from a cached layer boundary, so configurations that share their lower layers share that work.
+
+One dense forward records, for every decoder layer, its input hidden state and the keyword arguments the
+model passed it (mask, rotary embeddings, ...). Any stack that leaves layers below `start` unchanged can then be
+evaluated by running only layers start..L-1, the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from .harp import apply_harp
+from .models import get_adapter, text_config
+
+
+class Boundaries:
+    """Inputs of every decoder layer for a list of batches of windows (computed once, dense model)."""
+
+    def __init__(self, model, windows: torch.Tensor, batch_size: int = 4):
+        self.model = model
+        self.ad = get_adapter(model)
+        device = next(model.parameters()).device
+        self.batches = []  # (ids, [per-layer input], [per-layer kwargs])
+        with torch.no_grad():
+            for start in range(0, len(windows), batch_size):
+                ids = windows[start : start + batch_size].to(device)
+                self.batches.append((ids, *self._capture(ids)))
+
+    def _capture(self, ids):
+        inputs, kwargs = [], []
+
+        def hook(mod, args, kw):
+            inputs.append(args[0] if args else kw["hidden_states"])
+            kwargs.append({k: v for k, v in kw.items() if k != "hidden_states"})
+
+        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in self.ad.layers]
+        try:
+            self.model.get_decoder()(input_ids=ids, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        return inputs, kwargs
+
+    def nll_from(self, start: int) -> tuple[float, int]:
+        """Summed next-token NLL when running layers start..L-1 of the model as it is now."""
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for ids, inputs, kwargs in self.batches:
+                h = inputs[start]
+                for i in range(start, self.ad.n_layers):
+                    out = self.ad.layers[i](h, **kwargs[i])
+                    h = out[0] if isinstance(out, tuple) else out
+                logits = logits_from_hidden(self.model, h)
+                total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
+                                         reduction="sum").item()
+                count += ids[:, 1:].numel()
+        return total, count
+
+
+def logits_from_hidden(model, h: torch.Tensor) -> torch.Tensor:
+    """Final norm, LM head and (Gemma-2) logit soft-capping, as the model's own forward does."""
+    logits = model.get_output_embeddings()(get_adapter(model).final_norm(h))
+    cap = getattr(text_config(model.config), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+@contextmanager
+def harp_applied(model, layers, alphas, fold: bool = True):
+    """Temporarily prune copies of `layers`; the original layers and config come back on exit."""
+    ad = get_adapter(model)
+    layers = sorted(layers)
+    originals = {i: ad.layers[i] for i in layers}
+    cfg = text_config(model.config)
+    modes, plan = getattr(cfg, "kv_sharing_modes", None), getattr(model, "harp_plan", None)
+    try:
+        for i in layers:
+            ad.layers[i] = copy.deepcopy(originals[i])
+        yield apply_harp(model, layers, alphas, fold=fold)
+    finally:
+        for i, layer in originals.items():
+            ad.layers[i] = layer
+        cfg.kv_sharing_modes = modes
+        if plan is None:
+            model.__dict__.pop("harp_plan", None)
+        else:
+            model.harp_plan = plan
+
+
+def nll_of_plan(bounds: Boundaries, layers: list[int], alphas, fold: bool = True) -> tuple[float, int]:
+    """NLL of the model with `layers` pruned, rerunning only from the lowest pruned layer up."""
+    if not layers:
+        return bounds.nll_from(bounds.ad.n_layers - 1)
+    with harp_applied(bounds.model, layers, alphas, fold):
+        return bounds.nll_from(min(layers))

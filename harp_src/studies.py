@@ -1,0 +1,74 @@
+"""The notebooks' multi-model experiments: each returns a tidy table that a plot function takes."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from .data import ppl_windows
+from .harp import HarpPlan, param_report, parse_layers
+from .models import fingerprint, load_model, model_info
+from .prefix import Boundaries, nll_of_plan
+
+
+def n_values(n_layers: int, n_max_frac: float = 0.5, count: int = 8) -> list[int]:
+    """About `count` values of N from 1 to n_layers · n_max_frac (always including 1 and the maximum)."""
+    top = max(1, round(n_layers * n_max_frac))
+    return sorted({max(1, round(1 + k * (top - 1) / max(count - 1, 1))) for k in range(count)})
+
+
+def removal_sweep(model, windows, name: str, selections=("top", "bottom"), alphas=(1.0, 0.0),
+                  n_max_frac: float = 0.5, batch_size: int = 4) -> pd.DataFrame:
+    """Test PPL for N pruned layers chosen top-N or bottom-N, for each fixed α; N = 0 is the dense model.
+
+    Returns:
+        DataFrame: model, selection, n_layers, alpha, ppl, params_removed, ratio_paper, ratio_model, kv_cache_cut
+    """
+    bounds = Boundaries(model, windows, batch_size)
+    L = bounds.ad.n_layers
+    nll, count = bounds.nll_from(0)
+    rows = [dict(model=name, selection=s, n_layers=0, alpha=a, ppl=math.exp(nll / count), params_removed=0,
+                 ratio_paper=0.0, ratio_model=0.0, kv_cache_cut=0.0) for s in selections for a in alphas]
+    todo = [(s, n, a) for s in selections for n in n_values(L, n_max_frac) for a in alphas]
+    for sel, n, alpha in tqdm(todo, desc=f"removal sweep {name}"):
+        layers = parse_layers(f"{sel}:{n}", L)
+        nll, count = nll_of_plan(bounds, layers, alpha)
+        report = param_report(model.config, HarpPlan(fingerprint(model.config), dict.fromkeys(layers, alpha)))
+        rows.append(dict(model=name, selection=sel, n_layers=n, alpha=alpha, ppl=math.exp(nll / count),
+                         **{k: report[k] for k in ("params_removed", "ratio_paper", "ratio_model", "kv_cache_cut")}))
+    return pd.DataFrame(rows)
+
+
+def removal_study(models: list[str], n_windows: int, seq_len: int, seed: int, dtype: str, device: str,
+                  n_max_frac: float = 0.5) -> tuple[pd.DataFrame, list[dict]]:
+    """removal_sweep for each model on its enwiki-test windows; also returns each model's provenance."""
+    tables, infos = [], []
+    for name in models:
+        model, tok = load_model(name, dtype=dtype, device=device)
+        windows = ppl_windows(tok, "enwiki", "test", n_windows, seq_len, seed)
+        tables.append(removal_sweep(model, windows, name, n_max_frac=n_max_frac))
+        infos.append(model_info(model))
+    return pd.concat(tables, ignore_index=True), infos
+
+
+def savings_table(models: list[str], n_max_frac: float = 0.5) -> pd.DataFrame:
+    """Parameter and KV-cache savings of top-N HARP (α = 1 and α = 0) from each model's config alone."""
+    from transformers import AutoConfig
+
+    from .models import resolve_source
+
+    rows = []
+    for name in models:
+        config = AutoConfig.from_pretrained(resolve_source(name)[0])
+        L = fingerprint(config)["num_layers"]
+        for n in n_values(L, n_max_frac):
+            for alpha in (1.0, 0.0):
+                layers = parse_layers(f"top:{n}", L)
+                r = param_report(config, HarpPlan(fingerprint(config), dict.fromkeys(layers, alpha)))
+                for metric, key in [("parameters removed, paper convention", "ratio_paper"),
+                                    ("parameters removed, whole model", "ratio_model"),
+                                    ("KV cache removed", "kv_cache_cut")]:
+                    rows.append(dict(model=name, n_layers=n, alpha=alpha, metric=metric, value=100 * r[key]))
+    return pd.DataFrame(rows)
