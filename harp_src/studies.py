@@ -14,9 +14,11 @@ from .prefix import Boundaries, nll_of_plan
 
 
 def n_values(n_layers: int, n_max_frac: float = 0.5, count: int = 8) -> list[int]:
-    """About `count` values of N from 1 to n_layers · n_max_frac (always including 1 and the maximum)."""
+    """About `count` values of N from 1 to n_layers · n_max_frac, always with 1, the maximum and the paper's
+    N = depth · 8/32."""
     top = max(1, round(n_layers * n_max_frac))
-    return sorted({max(1, round(1 + k * (top - 1) / max(count - 1, 1))) for k in range(count)})
+    values = {max(1, round(1 + k * (top - 1) / max(count - 1, 1))) for k in range(count)}
+    return sorted(values | {min(quarter_depth(n_layers), top)})
 
 
 def removal_sweep(model, windows, name: str, selections=("top", "bottom"), alphas=(1.0, 0.0),
@@ -38,7 +40,7 @@ def removal_sweep(model, windows, name: str, selections=("top", "bottom"), alpha
         report = param_report(model.config, HarpPlan(fingerprint(model.config), dict.fromkeys(layers, alpha)))
         rows.append(dict(model=name, selection=sel, n_layers=n, alpha=alpha, ppl=math.exp(nll / count),
                          **{k: report[k] for k in ("params_removed", "ratio_paper", "ratio_model", "kv_cache_cut")}))
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).assign(n_layers_total=L)
 
 
 def removal_study(models: list[str], n_windows: int, seq_len: int, seed: int, dtype: str, device: str,
@@ -72,3 +74,38 @@ def savings_table(models: list[str], n_max_frac: float = 0.5) -> pd.DataFrame:
                                     ("KV cache removed", "kv_cache_cut")]:
                     rows.append(dict(model=name, n_layers=n, alpha=alpha, metric=metric, value=100 * r[key]))
     return pd.DataFrame(rows)
+
+
+def quarter_depth(n_layers: int) -> int:
+    """The paper's N = 8 of 32 layers, scaled to this depth."""
+    return max(1, round(n_layers * 8 / 32))
+
+
+def side_by_side(models: list[str], prompt: str, dtype: str, device: str, max_new_tokens: int = 30) -> pd.DataFrame:
+    """Greedy text of each dense model and of its top-N (N = depth/4) HARP versions with α = 1 and α = 0."""
+    from .evaluate import greedy_text
+    from .harp import apply_harp
+
+    rows = []
+    for name in models:
+        for alpha in (None, 1.0, 0.0):
+            model, tok = load_model(name, dtype=dtype, device=device)
+            n = quarter_depth(fingerprint(model.config)["num_layers"])
+            if alpha is not None:
+                apply_harp(model, f"top:{n}", alpha)
+            label = "dense" if alpha is None else f"top-{n}, α = {alpha}"
+            rows.append(dict(model=name, variant=label, text=greedy_text(model, tok, prompt, max_new_tokens)))
+    return pd.DataFrame(rows)
+
+
+def summarise_removal(df: pd.DataFrame) -> dict:
+    """Headline numbers: dense PPL and PPL at N = depth/4 for top/bottom × α = 1/0, per model."""
+    out = {}
+    for name, part in df.groupby("model"):
+        out[f"{name}/dense_ppl"] = float(part[part.n_layers == 0].ppl.iloc[0])
+        n = min(quarter_depth(int(part.n_layers_total.iloc[0])), int(part.n_layers.max()))
+        for (sel, alpha), rows in part[part.n_layers == n].groupby(["selection", "alpha"]):
+            out[f"{name}/ppl_{sel}{n}_alpha{alpha:g}"] = float(rows.ppl.iloc[0])
+        out[f"{name}/ratio_paper_top{n}_alpha1"] = float(
+            part[(part.n_layers == n) & (part.selection == "top") & (part.alpha == 1.0)].ratio_paper.iloc[0])
+    return out
