@@ -54,6 +54,7 @@ def _lee_articles() -> list[str]:
 
 def _extract(corpus: str) -> dict[str, str]:
     articles = _enwiki_articles() if corpus == "enwiki" else _lee_articles()
+    articles = list(dict.fromkeys(articles))  # the Lee corpus repeats 7 documents; a split must not leak
     return {
         "train": "\n\n".join(a for i, a in enumerate(articles) if i % TEST_EVERY != TEST_EVERY - 1),
         "test": "\n\n".join(a for i, a in enumerate(articles) if i % TEST_EVERY == TEST_EVERY - 1),
@@ -158,7 +159,7 @@ def build_manifest() -> dict:
             "enwiki": "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
             "lee": "lee_background.cor",
         },
-        "rule": f"redirects and articles under {MIN_ARTICLE_CHARS} chars dropped; markup stripped by "
+        "rule": f"duplicates, redirects and articles under {MIN_ARTICLE_CHARS} chars dropped; markup stripped by "
         f"gensim filter_wiki; article i is test when i % {TEST_EVERY} == {TEST_EVERY - 1}",
         "files": files,
     }

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import FAMILIES, NO_SDPA, make_tiny
+from conftest import NO_SDPA, make_tiny
 from torch.testing import assert_close
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import repeat_kv

@@ -1,0 +1,108 @@
+"""Command line: `python -m harp_src prune|ppl ...`, each printing one JSON object.
+
+    python -m harp_src prune --model smollm2-135m --layers top:8 --alphas 1.0 --out plan.json [--ppl]
+    python -m harp_src ppl --model smollm2-135m [--plan plan.json] [--corpus lee]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .data import ppl_windows
+from .evaluate import perplexity
+from .harp import HarpPlan, apply_harp, param_report, parse_layers
+from .models import get_adapter, load_model, model_info
+
+
+def parse_alphas(text: str, layers: list[int]) -> float | dict[int, float]:
+    """'0.5' (one α for all layers) or '22=0.5,23=0.3' (per layer)."""
+    if "=" not in text:
+        return float(text)
+    pairs = (item.split("=") for item in text.split(",") if item)
+    return {int(k): float(v) for k, v in pairs}
+
+
+def _windows_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", default="enwiki", choices=["enwiki", "lee"])
+    p.add_argument("--n-windows", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=4)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="packaged name, local dir or Hub id")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+
+
+def _ppl(model, tok, args) -> float:
+    windows = ppl_windows(tok, args.corpus, "test", args.n_windows, args.seq_len, args.seed)
+    return perplexity(model, windows, args.batch_size)
+
+
+def cmd_prune(args) -> dict:
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    layers = parse_layers(args.layers, get_adapter(model).n_layers)
+    out = {"model": model_info(model), "layers": layers}
+    if args.ppl:
+        out["ppl_before"] = _ppl(model, tok, args)
+    plan = apply_harp(model, layers, parse_alphas(args.alphas, layers), fold=not args.no_fold,
+                      meta={"source": "cli prune", "model_id": model.harp_source["model_id"]})
+    out |= {"alphas": plan.alphas, **param_report(model.config, plan)}
+    if args.ppl:
+        out |= {"ppl_after": _ppl(model, tok, args), "corpus": f"{args.corpus}/test",
+                "n_windows": args.n_windows, "seq_len": args.seq_len, "seed": args.seed}
+    if args.out:
+        plan.to_json(args.out)
+        out["plan"] = args.out
+    return out
+
+
+def cmd_ppl(args) -> dict:
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    out = {"model": model_info(model)}
+    if args.plan:
+        plan = HarpPlan.from_json(args.plan)
+        plan.apply(model)
+        out["plan"] = plan.to_dict()
+    return out | {"ppl": _ppl(model, tok, args), "corpus": f"{args.corpus}/test", "n_windows": args.n_windows,
+                  "seq_len": args.seq_len, "seed": args.seed, "metric": "perplexity = exp(mean token NLL)"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m harp_src", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    prune = sub.add_parser("prune", help="apply HARP to a model, print savings (and PPL), save the plan")
+    _model_args(prune)
+    prune.add_argument("--layers", required=True, help="top:N, bottom:N, a-b or a,b,c (0-based)")
+    prune.add_argument("--alphas", default="1.0", help="one α for all layers, or 22=0.5,23=0.3")
+    prune.add_argument("--no-fold", action="store_true", help="keep the repeat and α outside the weights")
+    prune.add_argument("--ppl", action="store_true", help="also measure test PPL before and after")
+    prune.add_argument("--out", help="write the plan (JSON) here")
+    _windows_args(prune)
+    prune.set_defaults(func=cmd_prune)
+    ppl = sub.add_parser("ppl", help="test perplexity of a model, optionally with a saved plan applied")
+    _model_args(ppl)
+    ppl.add_argument("--plan", help="a plan JSON from `prune`")
+    _windows_args(ppl)
+    ppl.set_defaults(func=cmd_ppl)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.func(args)
+    except (ValueError, ConnectionError, ModuleNotFoundError) as err:
+        print(json.dumps({"error": str(err)}), file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

