@@ -1,6 +1,7 @@
-"""Command line: `python -m harp_src prune|ppl ...`, each printing one JSON object.
+"""Command line: `python -m harp_src prune|search|ppl ...`, each printing one JSON object.
 
     python -m harp_src prune --model smollm2-135m --layers top:8 --alphas 1.0 --out plan.json [--ppl]
+    python -m harp_src search --model smollm2-135m --layers top:8 --out plan.json [--compare-naive]
     python -m harp_src ppl --model smollm2-135m [--plan plan.json] [--corpus lee]
 """
 
@@ -9,11 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .data import ppl_windows
 from .evaluate import perplexity
+from .flops import search_flops
 from .harp import HarpPlan, apply_harp, param_report, parse_layers
-from .models import get_adapter, load_model, model_info
+from .models import fingerprint, get_adapter, load_model, model_info
+from .search import GRID, search_alphas
 
 
 def parse_alphas(text: str, layers: list[int]) -> float | dict[int, float]:
@@ -72,6 +76,47 @@ def cmd_ppl(args) -> dict:
                   "seq_len": args.seq_len, "seed": args.seed, "metric": "perplexity = exp(mean token NLL)"}
 
 
+def _llama31_8b_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+
+
+def cmd_search(args) -> dict:
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    layers = parse_layers(args.layers, get_adapter(model).n_layers)
+    grid = tuple(float(a) for a in args.grid.split(",")) if args.grid else GRID
+    calib = ppl_windows(tok, args.corpus, "train", args.n_windows, args.seq_len, args.seed)
+    history: list = []
+    start = time.perf_counter()
+    alphas = search_alphas(model, calib, layers, grid, batch_size=args.batch_size, history=history)
+    cached_s = time.perf_counter() - start
+    table = {f"{r['layer']}@{r['alpha']:g}": round(r["calib_ppl"], 4) for r in history}
+    out = {"model": model_info(model), "layers": layers, "alphas": alphas, "calib_ppl": table,
+           "calib": f"{args.corpus}/train", "n_windows": args.n_windows, "seq_len": args.seq_len,
+           "seed": args.seed, "search_s": cached_s}
+    if args.compare_naive:
+        start = time.perf_counter()
+        naive = search_alphas(model, calib, layers, grid, cache_prefix=False, batch_size=args.batch_size)
+        naive_s = time.perf_counter() - start
+        flops = search_flops(model.config, layers, len(grid), args.seq_len)
+        top = max(1, round(len(layers) * 32 / get_adapter(model).n_layers))
+        llama = search_flops(_llama31_8b_config(), list(range(32 - top, 32)), len(grid), args.seq_len)
+        out |= {"naive_s": naive_s, "same_alphas": naive == alphas, "measured_ratio": naive_s / cached_s,
+                "flop_ratio": flops["predicted_ratio"],
+                "measured_over_flop": naive_s / cached_s / flops["predicted_ratio"],
+                "llama31_8b_flop_ratio": llama["predicted_ratio"], "llama31_8b_layers": f"top:{top}"}
+    plan = HarpPlan(fingerprint(model.config), alphas,
+                    meta={"source": "greedy α search", "model_id": model.harp_source["model_id"],
+                          "calib": f"{args.corpus}/train {args.n_windows}x{args.seq_len} seed {args.seed}",
+                          "grid": list(grid)})
+    if args.out:
+        plan.to_json(args.out)
+        out["plan"] = args.out
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m harp_src", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--out", help="write the plan (JSON) here")
     _windows_args(prune)
     prune.set_defaults(func=cmd_prune)
+    search = sub.add_parser("search", help="greedy top-down α search on enwiki-train windows; save the plan")
+    _model_args(search)
+    search.add_argument("--layers", required=True, help="top:N, bottom:N, a-b or a,b,c (0-based)")
+    search.add_argument("--grid", help="comma-separated α values (default 0.0,0.1,...,1.0)")
+    search.add_argument("--compare-naive", action="store_true",
+                        help="benchmark: also run the uncached search, compare wall time with the FLOP model")
+    search.add_argument("--out", help="write the plan (JSON) here")
+    _windows_args(search)
+    search.set_defaults(func=cmd_search)
     ppl = sub.add_parser("ppl", help="test perplexity of a model, optionally with a saved plan applied")
     _model_args(ppl)
     ppl.add_argument("--plan", help="a plan JSON from `prune`")

@@ -1,0 +1,75 @@
+"""Analytic FLOP model of a decoder-only LM, dense or under a HARP plan (2 FLOPs per multiply-add).
+
+Per layer and token: Q, K, V, O projections and the MLP; per layer and sequence: attention scores Q·Kᵀ and the
+weighted sum A·V over the causal triangle (T(T+1)/2 query-key pairs). A bypassed layer keeps V and O (O over
+KV heads when folded) and the MLP; an α = 0 layer keeps only the MLP. The LM head costs d·V per scored token.
+"""
+
+from __future__ import annotations
+
+from .models import text_config
+
+
+def _shape(config) -> dict:
+    cfg = text_config(config)
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return dict(d=cfg.hidden_size, h=cfg.num_attention_heads, kv=cfg.num_key_value_heads, hd=hd,
+                ff=cfg.intermediate_size, vocab=cfg.vocab_size, L=cfg.num_hidden_layers)
+
+
+def layer_flops(config, seq_len: int, alpha: float | None = None, fold: bool = True) -> float:
+    """FLOPs of one decoder layer over a causal sequence of `seq_len` tokens (batch 1, prefill).
+
+    Args:
+        alpha: None for a dense layer; the HARP α for a pruned one (0 drops the attention sub-layer).
+    """
+    s = _shape(config)
+    d, h, kv, hd, t = s["d"], s["h"], s["kv"], s["hd"], seq_len
+    mlp = 3 * d * s["ff"]
+    if alpha is None:
+        per_token = d * h * hd + 2 * d * kv * hd + h * hd * d + mlp
+        pairs = t * (t + 1) / 2  # causal: query i sees keys 0..i
+        return 2 * (per_token * t + 2 * h * hd * pairs)
+    if alpha == 0.0:
+        return 2 * mlp * t
+    o_in = kv * hd if fold else h * hd
+    return 2 * (d * kv * hd + o_in * d + mlp) * t
+
+
+def head_flops(config, tokens: int) -> float:
+    s = _shape(config)
+    return 2 * s["d"] * s["vocab"] * tokens
+
+
+def model_flops(config, seq_len: int, alphas: dict[int, float] | None = None, fold: bool = True,
+                from_layer: int = 0, head_tokens: int | None = None) -> float:
+    """FLOPs of layers from_layer..L-1 plus the LM head on `head_tokens` tokens (default: all of them)."""
+    alphas = alphas or {}
+    L = _shape(config)["L"]
+    body = sum(layer_flops(config, seq_len, alphas.get(i), fold) for i in range(from_layer, L))
+    return body + head_flops(config, seq_len if head_tokens is None else head_tokens)
+
+
+def speedup_bound(config, seq_len: int, alphas: dict[int, float], fold: bool = True,
+                  head_tokens: int | None = None) -> float:
+    """FLOPs_dense / FLOPs_HARP: the speed-up if time were proportional to FLOPs."""
+    return model_flops(config, seq_len, None, fold, 0, head_tokens) / model_flops(config, seq_len, alphas, fold, 0,
+                                                                                 head_tokens)
+
+
+def search_flops(config, layers: list[int], grid_size: int, seq_len: int) -> dict:
+    """Predicted FLOPs of the greedy α search, naive (whole model per candidate) vs cached prefix (one dense pass
+    of the decoder, then per candidate only the searched layer, the layers above and the head).
+
+    α = 1 candidates are counted for every layer (the α value barely changes the cost of a bypassed layer).
+    """
+    order = sorted(layers, reverse=True)
+    naive = cached = 0.0
+    chosen: dict[int, float] = {}
+    cached += model_flops(config, seq_len, None, True, 0, head_tokens=0)  # boundaries: decoder only
+    for layer in order:
+        plan = {**chosen, layer: 1.0}
+        naive += grid_size * model_flops(config, seq_len, plan)
+        cached += grid_size * model_flops(config, seq_len, plan, from_layer=layer)
+        chosen[layer] = 1.0
+    return {"naive_flops": naive, "cached_flops": cached, "predicted_ratio": naive / cached}

@@ -1,0 +1,128 @@
+"""α search: cached ≡ naive, the greedy procedure itself, search-free α, FLOP model, bad input."""
+
+import math
+
+import pytest
+import torch
+from conftest import make_tiny
+from transformers import LlamaConfig
+
+from harp_src import apply_harp, load_model, perplexity, ppl_windows
+from harp_src.flops import layer_flops, model_flops, search_flops, speedup_bound
+from harp_src.search import closed_form_alphas, refine_alphas, search_alphas
+
+
+def calib(n=4, t=24, seed=0):
+    return torch.randint(3, 128, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_cached_search_equals_naive(family):
+    model = make_tiny(family)
+    h_cached, h_naive = [], []
+    a = search_alphas(model, calib(), [1, 2, 3], history=h_cached)
+    b = search_alphas(model, calib(), [1, 2, 3], cache_prefix=False, history=h_naive)
+    assert a == b
+    assert [r["calib_ppl"] for r in h_cached] == pytest.approx([r["calib_ppl"] for r in h_naive], rel=1e-6)
+
+
+def test_greedy_is_top_down_and_leaves_model_dense():
+    model = make_tiny("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    history = []
+    alphas = search_alphas(model, calib(), [0, 2], grid=(0.0, 0.5, 1.0), history=history)
+    assert [r["layer"] for r in history] == [2, 2, 2, 0, 0, 0]  # top layer first
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # each chosen α is the minimum of its row, and the top layer's scores were taken with layer 0 dense
+    for layer in (2, 0):
+        rows = [r for r in history if r["layer"] == layer]
+        assert alphas[layer] == min(rows, key=lambda r: (r["calib_ppl"], r["alpha"]))["alpha"]
+    pruned = make_tiny("llama")
+    apply_harp(pruned, [2], {2: alphas[2]})
+    expected = perplexity(pruned, calib(), progress=False)
+    assert next(r for r in history if r["layer"] == 2 and r["chosen"])["calib_ppl"] == pytest.approx(expected)
+
+
+def test_ties_go_to_the_smaller_alpha():
+    """With o_proj zeroed, every α gives exactly the same model: the smallest α must win."""
+    model = make_tiny("llama")
+    with torch.no_grad():
+        model.model.layers[3].self_attn.o_proj.weight.zero_()
+    history = []
+    assert search_alphas(model, calib(), [3], grid=(1.0, 0.4, 0.7), history=history) == {3: 0.4}
+    assert len({r["calib_ppl"] for r in history}) == 1
+
+
+def test_refine_never_worsens_calibration_ppl():
+    model = make_tiny("qwen2")
+    greedy = search_alphas(model, calib(), [1, 2, 3])
+    refined = refine_alphas(model, calib(), greedy)
+
+    def ppl(alphas):
+        m = make_tiny("qwen2")
+        apply_harp(m, list(alphas), alphas)
+        return perplexity(m, calib(), progress=False)
+
+    assert ppl(refined) <= ppl(greedy) * (1 + 1e-6)
+
+
+def test_closed_form_alpha_is_least_squares_scale():
+    model = make_tiny("gemma3")
+    alphas = closed_form_alphas(model, calib(), [1, 3])
+    assert set(alphas) == {1, 3} and all(0.0 <= a <= 1.0 for a in alphas.values())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(layers=[1], grid=()), "empty"),
+        (dict(layers=[1], grid=(0.0, 1.5)), "outside"),
+        (dict(layers=[7], grid=(0.0,)), "out of range"),
+        (dict(layers=[], grid=(0.0,)), "no layers"),
+    ],
+)
+def test_bad_search_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        search_alphas(make_tiny("llama"), calib(), **kwargs)
+
+
+def test_bad_calibration_windows():
+    with pytest.raises(ValueError, match="non-empty"):
+        search_alphas(make_tiny("llama"), torch.zeros(0, 8, dtype=torch.long), [1])
+    with pytest.raises(ValueError, match="context"):
+        search_alphas(make_tiny("llama"), torch.zeros(1, 300, dtype=torch.long), [1])
+
+
+def test_flop_model_by_hand():
+    cfg = LlamaConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      intermediate_size=16, vocab_size=10)  # head_dim 4
+    t = 3
+    # q 8·8, k 8·4, v 8·4, o 8·8, mlp 3·8·16 MACs per token; scores+weighted sum 2·2·4 per causal pair (6 pairs)
+    dense = 2 * ((64 + 32 + 32 + 64 + 384) * t + 2 * 2 * 4 * 6)
+    assert layer_flops(cfg, t) == dense
+    assert layer_flops(cfg, t, 1.0, fold=True) == 2 * (32 + 32 + 384) * t
+    assert layer_flops(cfg, t, 1.0, fold=False) == 2 * (32 + 64 + 384) * t
+    assert layer_flops(cfg, t, 0.0) == 2 * 384 * t
+    assert model_flops(cfg, t) == 2 * dense + 2 * 8 * 10 * t
+    assert speedup_bound(cfg, t, {}) == 1.0
+    bounds = [speedup_bound(cfg, 64, {i: 1.0 for i in range(n)}) for n in range(3)]
+    assert bounds == sorted(bounds) and bounds[0] == 1.0
+
+
+def test_search_flop_ratio_for_smollm2_and_llama():
+    smol = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                       intermediate_size=1536, vocab_size=49152)
+    llama = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=14336, vocab_size=128256)
+    assert 3.0 < search_flops(smol, list(range(22, 30)), 11, 512)["predicted_ratio"] < 3.5
+    assert 4.8 < search_flops(llama, list(range(24, 32)), 11, 512)["predicted_ratio"] < 5.5
+
+
+@pytest.mark.slow
+def test_smollm2_cached_search_equals_naive():
+    model, tok = load_model("smollm2-135m")
+    windows = ppl_windows(tok, "enwiki", "train", 2, 64, seed=0)
+    grid = (0.0, 0.3, 0.6, 1.0)
+    cached = search_alphas(model, windows, "top:2", grid)
+    assert cached == search_alphas(model, windows, "top:2", grid, cache_prefix=False)
+    assert all(math.isfinite(a) for a in cached.values())
