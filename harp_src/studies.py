@@ -109,3 +109,143 @@ def summarise_removal(df: pd.DataFrame) -> dict:
         out[f"{name}/ratio_paper_top{n}_alpha1"] = float(
             part[(part.n_layers == n) & (part.selection == "top") & (part.alpha == 1.0)].ratio_paper.iloc[0])
     return out
+
+
+# official code's Llama-3.1-8B top-8 list, top layer first (DESIGN.md §5)
+OFFICIAL_LLAMA31_8B_TOP_FIRST = (0.8, 0.2, 0.1, 0.1, 0.0, 0.1, 0.0, 0.0)
+
+
+def _test_ppl(bounds: Boundaries, alphas: dict[int, float]) -> float:
+    nll, count = nll_of_plan(bounds, sorted(alphas), alphas) if alphas else bounds.nll_from(0)
+    return math.exp(nll / count)
+
+
+def alpha_study(models: list[str], n_calib: int, n_test: int, seq_len: int, seed: int, dtype: str, device: str,
+                n_layers: int = 0, refine_sweeps: int = 0) -> dict:
+    """Greedy α search on enwiki-train, then enwiki-test PPL of dense vs HARP with searched / α = 1 / α = 0 /
+    closed-form (and refined) α, per model. n_layers = 0 means the paper's depth · 8/32.
+
+    Returns:
+        dict of tables: curves (model, layer, alpha, calib_ppl), chosen (model, layer, rank_from_top, source,
+        alpha), ablation (model, variant, test_ppl, params_removed, ratio_paper), timing, infos.
+    """
+    import time
+
+    from .search import closed_form_alphas, refine_alphas, search_alphas
+
+    curves, chosen, ablation, timing, infos = [], [], [], [], []
+    for name in models:
+        model, tok = load_model(name, dtype=dtype, device=device)
+        L = fingerprint(model.config)["num_layers"]
+        layers = parse_layers(f"top:{n_layers or quarter_depth(L)}", L)
+        calib = ppl_windows(tok, "enwiki", "train", n_calib, seq_len, seed)
+        history: list = []
+        start = time.perf_counter()
+        variants = {"HARP, searched α": search_alphas(model, calib, layers, history=history)}
+        timing.append(dict(model=name, method="greedy search (cached)", seconds=time.perf_counter() - start))
+        start = time.perf_counter()
+        variants["HARP, closed-form α*"] = closed_form_alphas(model, calib, layers)
+        timing.append(dict(model=name, method="closed-form α*", seconds=time.perf_counter() - start))
+        if refine_sweeps:
+            start = time.perf_counter()
+            variants["HARP, searched + refined α"] = refine_alphas(model, calib, variants["HARP, searched α"],
+                                                                 sweeps=refine_sweeps)
+            timing.append(dict(model=name, method=f"refine ({refine_sweeps} sweep)", seconds=time.perf_counter() - start))
+        variants |= {"HARP, α = 1": dict.fromkeys(layers, 1.0), "attention dropped, α = 0": dict.fromkeys(layers, 0.0)}
+        curves += [dict(model=name, **{k: r[k] for k in ("layer", "alpha", "calib_ppl")}) for r in history]
+        for source, alphas in variants.items():
+            if "α =" not in source:
+                chosen += [dict(model=name, layer=i, rank_from_top=L - i, source=source, alpha=a)
+                           for i, a in alphas.items()]
+        bounds = Boundaries(model, ppl_windows(tok, "enwiki", "test", n_test, seq_len, seed))
+        for variant, alphas in {"dense": {}, **variants}.items():
+            report = param_report(model.config, HarpPlan(fingerprint(model.config), alphas)) if alphas else {}
+            ablation.append(dict(model=name, variant=variant, test_ppl=_test_ppl(bounds, alphas),
+                                 params_removed=report.get("params_removed", 0),
+                                 ratio_paper=report.get("ratio_paper", 0.0)))
+        infos.append(model_info(model))
+        del model, bounds
+    chosen += [dict(model="Llama-3.1-8B (official code)", layer=31 - k, rank_from_top=k + 1, source="official list",
+                    alpha=a) for k, a in enumerate(OFFICIAL_LLAMA31_8B_TOP_FIRST)]
+    return {"curves": pd.DataFrame(curves), "chosen": pd.DataFrame(chosen), "ablation": pd.DataFrame(ablation),
+            "timing": pd.DataFrame(timing), "infos": infos}
+
+
+def summarise_alpha(tables: dict) -> dict:
+    """Headline numbers: test PPL per variant and model, and the searched α's (top layer first)."""
+    out = {}
+    for row in tables["ablation"].itertuples():
+        out[f"{row.model}/test_ppl/{row.variant}"] = float(row.test_ppl)
+    searched = tables["chosen"][tables["chosen"].source == "HARP, searched α"]
+    for name, part in searched.groupby("model"):
+        out[f"{name}/searched_alphas_top_first"] = [float(a) for a in part.sort_values("rank_from_top").alpha]
+    for row in tables["timing"].itertuples():
+        out[f"{row.model}/seconds/{row.method}"] = float(row.seconds)
+    return out
+
+
+def _selections(scores: pd.DataFrame, L: int, n: int, random_seeds) -> list[tuple[str, int, list[int]]]:
+    import numpy as np
+
+    from .importance import lowest
+
+    out = [("top-N", 0, parse_layers(f"top:{n}", L)), ("bottom-N", 0, parse_layers(f"bottom:{n}", L)),
+           ("lowest attention BI", 0, lowest(scores, "bi_attn", n)),
+           ("lowest Taylor sensitivity", 0, lowest(scores, "taylor", n)),
+           ("smallest bypass error", 0, lowest(scores, "bypass_error", n))]
+    for seed in random_seeds:
+        out.append(("random", seed, sorted(np.random.default_rng(seed).choice(L, n, replace=False).tolist())))
+    return out
+
+
+def selection_study(models: list[str], n_calib: int, n_test: int, seq_len: int, seed: int, dtype: str,
+                    device: str, n_layers: int = 0, grid: tuple = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
+                    random_seeds: tuple = (0, 1, 2), n_max_frac: float = 0.5) -> dict:
+    """The paper's ablations: which N layers to prune (top, bottom, by importance, random), with α searched on
+    enwiki-train or α = 1, evaluated on enwiki-test and the out-of-domain Lee news test split; plus an N sweep
+    for top-N (one greedy search of the deepest N gives every shallower top-N, since greedy works top-down).
+
+    Returns:
+        dict: selection (model, selection, seed, n_layers, alpha_mode, corpus, ppl, layers), n_sweep (model,
+        n_layers, alpha_mode, ppl), scores (per-layer importance), infos.
+    """
+    from .importance import layer_scores
+    from .search import search_alphas
+
+    sel_rows, sweep_rows, score_tables, infos = [], [], [], []
+    for name in models:
+        model, tok = load_model(name, dtype=dtype, device=device)
+        L = fingerprint(model.config)["num_layers"]
+        n = n_layers or quarter_depth(L)
+        calib = ppl_windows(tok, "enwiki", "train", n_calib, seq_len, seed)
+        scores = layer_scores(model, calib)
+        score_tables.append(scores.assign(model=name))
+        tests = {c: Boundaries(model, ppl_windows(tok, c, "test", n_test, seq_len, seed)) for c in ("enwiki", "lee")}
+        for corpus, bounds in tests.items():
+            sel_rows.append(dict(model=name, selection="dense", seed=0, n_layers=0, alpha_mode="-", corpus=corpus,
+                                 ppl=_test_ppl(bounds, {}), layers=""))
+        for selection, rseed, layers in tqdm(_selections(scores, L, n, random_seeds), desc=f"selections {name}"):
+            for mode in ("searched", "α = 1"):
+                alphas = search_alphas(model, calib, layers, grid) if mode == "searched" else dict.fromkeys(layers, 1.0)
+                for corpus, bounds in tests.items():
+                    sel_rows.append(dict(model=name, selection=selection, seed=rseed, n_layers=n, alpha_mode=mode,
+                                         corpus=corpus, ppl=_test_ppl(bounds, alphas),
+                                         layers=" ".join(map(str, layers))))
+        deepest = parse_layers(f"top:{max(n_values(L, n_max_frac))}", L)
+        greedy = search_alphas(model, calib, deepest, grid)
+        for k in n_values(L, n_max_frac):
+            top = deepest[-k:]
+            for mode, alphas in (("searched", {i: greedy[i] for i in top}), ("α = 1", dict.fromkeys(top, 1.0))):
+                sweep_rows.append(dict(model=name, n_layers=k, alpha_mode=mode, corpus="enwiki",
+                                       ppl=_test_ppl(tests["enwiki"], alphas)))
+        infos.append(model_info(model))
+        del model, tests
+    return {"selection": pd.DataFrame(sel_rows), "n_sweep": pd.DataFrame(sweep_rows),
+            "scores": pd.concat(score_tables, ignore_index=True), "infos": infos}
+
+
+def summarise_selection(tables: dict) -> dict:
+    """Headline numbers: test PPL per model, selection (random: mean over seeds), α mode and corpus."""
+    df = tables["selection"]
+    g = df.groupby(["model", "selection", "alpha_mode", "corpus"]).ppl.mean()
+    return {f"{m}/{s}/{a}/{c}": float(v) for (m, s, a, c), v in g.items()}

@@ -70,3 +70,23 @@ def test_pruned_layers_report_no_attention_metrics():
     df = layer_metrics(model, torch.randint(3, 128, (1, 6)))
     assert set(df[df.layer == 3].metric) == {"similarity", "bi_block"}
     assert model.config._attn_implementation == "sdpa"  # eager was only borrowed for the entropy
+
+
+def test_taylor_sensitivity_is_the_gate_derivative():
+    """Σ grad · a equals d loss / d g for a scalar gate g multiplying the branch, at g = 1 (computed separately)."""
+    from harp_src.importance import lowest, taylor_sensitivity
+
+    model = make_tiny("llama").double()
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    scores = taylor_sensitivity(model, ids)
+    for layer in range(4):
+        gate = torch.ones((), dtype=torch.float64, requires_grad=True)
+        handle = get_adapter(model).attention(layer).register_forward_hook(lambda m, a, o: (gate * o[0], o[1]))
+        logits = model(ids).logits
+        handle.remove()
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").backward()
+        assert scores[layer] == pytest.approx(abs(gate.grad.item()), rel=1e-5)
+    import pandas as pd
+
+    table = pd.DataFrame({"layer": range(4), "taylor": [scores[i] for i in range(4)]})
+    assert lowest(table, "taylor", 2) == sorted(sorted(range(4), key=lambda i: scores[i])[:2])
