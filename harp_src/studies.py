@@ -150,7 +150,8 @@ def alpha_study(models: list[str], n_calib: int, n_test: int, seq_len: int, seed
             start = time.perf_counter()
             variants["HARP, searched + refined α"] = refine_alphas(model, calib, variants["HARP, searched α"],
                                                                  sweeps=refine_sweeps)
-            timing.append(dict(model=name, method=f"refine ({refine_sweeps} sweep)", seconds=time.perf_counter() - start))
+            timing.append(dict(model=name, method=f"refine ({refine_sweeps} sweep)",
+                               seconds=time.perf_counter() - start))
         variants |= {"HARP, α = 1": dict.fromkeys(layers, 1.0), "attention dropped, α = 0": dict.fromkeys(layers, 0.0)}
         curves += [dict(model=name, **{k: r[k] for k in ("layer", "alpha", "calib_ppl")}) for r in history]
         for source, alphas in variants.items():

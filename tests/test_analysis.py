@@ -81,7 +81,7 @@ def test_taylor_sensitivity_is_the_gate_derivative():
     scores = taylor_sensitivity(model, ids)
     for layer in range(4):
         gate = torch.ones((), dtype=torch.float64, requires_grad=True)
-        handle = get_adapter(model).attention(layer).register_forward_hook(lambda m, a, o: (gate * o[0], o[1]))
+        handle = get_adapter(model).attention(layer).register_forward_hook(lambda m, a, o, g=gate: (g * o[0], o[1]))
         logits = model(ids).logits
         handle.remove()
         F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").backward()
