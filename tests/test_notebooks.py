@@ -32,6 +32,23 @@ GOLDEN = {
         "smollm2-135m/ppl_bottom8_alpha0": (22685, dict(rel=0.05)),
         "smollm2-135m/ratio_paper_top8_alpha1": (8 / 240, dict(rel=1e-9)),  # 8·(Q+K) / 30 layers' Linears
     },
+    "03_alpha_search": {
+        "smollm2-135m/test_ppl/dense": (26.53, dict(rel=0.01)),
+        "smollm2-135m/test_ppl/HARP, searched α": (30.67, dict(rel=0.03)),
+        "smollm2-135m/test_ppl/HARP, closed-form α*": (29.94, dict(rel=0.03)),
+        "smollm2-135m/test_ppl/HARP, α = 1": (50.12, dict(rel=0.03)),
+        "smollm2-135m/test_ppl/attention dropped, α = 0": (36.29, dict(rel=0.03)),
+        "smollm2-135m/searched_alphas_top_first": ([0.3, 0.4, 0.8, 0.0], dict(abs=0.11)),  # one grid step
+    },
+    "05_ablations": {
+        "smollm2-135m/dense/-/enwiki": (89.49, dict(rel=0.01)),
+        "smollm2-135m/dense/-/lee": (51.92, dict(rel=0.01)),
+        "smollm2-135m/top-N/searched/enwiki": (107.0, dict(rel=0.05)),
+        "smollm2-135m/top-N/α = 1/enwiki": (122.0, dict(rel=0.05)),
+        "smollm2-135m/bottom-N/α = 1/enwiki": (2223, dict(rel=0.05)),
+        "smollm2-135m/lowest attention BI/searched/enwiki": (95.13, dict(rel=0.05)),
+        "smollm2-135m/random/α = 1/lee": (82.62, dict(rel=0.05)),
+    },
 }
 
 
