@@ -84,12 +84,17 @@ def ppl_curves(df: pd.DataFrame, title: str, x: str, xlabel: str, hue: str, col:
     return grid.figure
 
 
-def bars(df: pd.DataFrame, x: str, y: str, hue: str, title: str, xlabel: str, ylabel: str, col: str | None = None):
-    """Grouped bars, optionally one panel per `col`."""
+def bars(df: pd.DataFrame, x: str, y: str, hue: str, title: str, xlabel: str, ylabel: str, col: str | None = None,
+         row: str | None = None, logy: bool = False):
+    """Grouped bars, optionally one panel per `col` (and `row`); x labels rotated to stay readable."""
     set_theme()
-    grid = sns.catplot(data=df, x=x, y=y, hue=hue, col=col, kind="bar", height=3.6, aspect=1.3,
-                       sharey=False)
+    grid = sns.catplot(data=df, x=x, y=y, hue=hue, col=col, row=row, kind="bar", height=3.6, aspect=1.3,
+                       sharey=False, errorbar=None)
     grid.set_axis_labels(xlabel, ylabel)
+    for ax in grid.axes.flat:
+        if logy:
+            ax.set_yscale("log")
+        plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     grid.figure.suptitle(title, y=1.04)
     return grid.figure
 
