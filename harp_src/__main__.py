@@ -101,12 +101,11 @@ def cmd_search(args) -> dict:
         naive = search_alphas(model, calib, layers, grid, cache_prefix=False, batch_size=args.batch_size)
         naive_s = time.perf_counter() - start
         flops = search_flops(model.config, layers, len(grid), args.seq_len)
-        top = max(1, round(len(layers) * 32 / get_adapter(model).n_layers))
-        llama = search_flops(_llama31_8b_config(), list(range(32 - top, 32)), len(grid), args.seq_len)
+        llama = search_flops(_llama31_8b_config(), list(range(24, 32)), len(grid), args.seq_len)  # paper: top-8
         out |= {"naive_s": naive_s, "same_alphas": naive == alphas, "measured_ratio": naive_s / cached_s,
                 "flop_ratio": flops["predicted_ratio"],
                 "measured_over_flop": naive_s / cached_s / flops["predicted_ratio"],
-                "llama31_8b_flop_ratio": llama["predicted_ratio"], "llama31_8b_layers": f"top:{top}"}
+                "llama31_8b_flop_ratio": llama["predicted_ratio"], "llama31_8b_layers": "top:8"}
     plan = HarpPlan(fingerprint(model.config), alphas,
                     meta={"source": "greedy α search", "model_id": model.harp_source["model_id"],
                           "calib": f"{args.corpus}/train {args.n_windows}x{args.seq_len} seed {args.seed}",
