@@ -4,5 +4,6 @@ from .data import ppl_windows
 from .evaluate import perplexity
 from .harp import HarpPlan, apply_harp, param_report
 from .models import load_model
+from .search import search_alphas
 
-__all__ = ["load_model", "ppl_windows", "perplexity", "apply_harp", "HarpPlan", "param_report"]
+__all__ = ["load_model", "ppl_windows", "perplexity", "apply_harp", "HarpPlan", "search_alphas", "param_report"]
