@@ -1,16 +1,19 @@
-"""Command line: `python -m harp_src prune|search|ppl ...`, each printing one JSON object.
+"""Command line: `python -m harp_src prune|search|ppl|timing ...`, each printing one JSON object.
 
     python -m harp_src prune --model smollm2-135m --layers top:8 --alphas 1.0 --out plan.json [--ppl]
     python -m harp_src search --model smollm2-135m --layers top:8 --out plan.json [--compare-naive]
     python -m harp_src ppl --model smollm2-135m [--plan plan.json] [--corpus lee]
+    python -m harp_src timing --model smollm2-135m --layers top:8 --seq-lens 1024,4096,16384 [--csv rows.csv]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
+from pathlib import Path
 
 from .data import ppl_windows
 from .evaluate import perplexity
@@ -116,6 +119,33 @@ def cmd_search(args) -> dict:
     return out
 
 
+def cmd_timing(args) -> dict:
+    import pandas as pd
+
+    from .plots import _atomic  # the same atomic write as every figure's CSV
+    from .results import run_info
+    from .timing import compare, harp_copy
+
+    seq_lens = [int(t) for t in args.seq_lens.split(",") if t.strip()]
+    if not seq_lens or min(seq_lens) < 2:
+        raise ValueError(f"--seq-lens must be comma-separated lengths >= 2, got {args.seq_lens!r} (seq_lens)")
+    model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.plan:  # e.g. the searched α's from `search --out`; refused if made for another model
+        plan = HarpPlan.from_json(args.plan)
+        harp = copy.deepcopy(model)
+        plan.apply(harp)
+    else:
+        layers = parse_layers(args.layers, get_adapter(model).n_layers)
+        harp, plan = harp_copy(model, layers, parse_alphas(args.alphas, layers))
+    summary, _ = compare(model, harp, seq_lens, args.repeats, args.warmup, args.decode_steps, args.threads,
+                         args.seed)
+    summary.insert(0, "model", args.model)
+    if args.csv:
+        _atomic(Path(args.csv), lambda tmp: summary.to_csv(tmp, index=False))
+    return {"model": model_info(model), "plan": plan.to_dict(), "info": run_info(args.seed, args.device),
+            "rows": summary.replace({pd.NA: None}).to_dict(orient="records")}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m harp_src", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -143,6 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--plan", help="a plan JSON from `prune`")
     _windows_args(ppl)
     ppl.set_defaults(func=cmd_ppl)
+    timing = sub.add_parser("timing", help="prefill/decode latency, KV bytes and peak memory, dense vs HARP, "
+                                           "interleaved, with the FLOP-model bound")
+    _model_args(timing)
+    timing.add_argument("--layers", default="top:8", help="top:N, bottom:N, a-b or a,b,c (0-based)")
+    timing.add_argument("--alphas", default="1.0", help="one α for all layers, or 22=0.5,23=0.3 (0 drops V, O too)")
+    timing.add_argument("--plan", help="a plan JSON (from `search` or `prune`) instead of --layers/--alphas")
+    timing.add_argument("--seq-lens", default="1024,4096,16384", help="comma-separated prompt lengths")
+    timing.add_argument("--repeats", type=int, default=3, help="timed prefills per model and length (median)")
+    timing.add_argument("--warmup", type=int, default=1, help="untimed prefills per model and length")
+    timing.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per model and length")
+    timing.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    timing.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    timing.add_argument("--csv", help="also write the rows as CSV here")
+    timing.set_defaults(func=cmd_timing)
     return parser
 
 

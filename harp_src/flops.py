@@ -1,7 +1,8 @@
 """Analytic FLOP model of a decoder-only LM, dense or under a HARP plan (2 FLOPs per multiply-add).
 
 Per layer and token: Q, K, V, O projections and the MLP; per layer and sequence: attention scores Q·Kᵀ and the
-weighted sum A·V over the causal triangle (T(T+1)/2 query-key pairs). A bypassed layer keeps V and O (O over
+weighted sum A·V over the causal triangle (T(T+1)/2 query-key pairs; with `past` cached tokens each new token
+also sees those, which gives the decode cost). A bypassed layer keeps V and O (O over
 KV heads when folded) and the MLP; an α = 0 layer keeps only the MLP. The LM head costs d·V per scored token.
 """
 
@@ -17,18 +18,19 @@ def _shape(config) -> dict:
                 ff=cfg.intermediate_size, vocab=cfg.vocab_size, L=cfg.num_hidden_layers)
 
 
-def layer_flops(config, seq_len: int, alpha: float | None = None, fold: bool = True) -> float:
-    """FLOPs of one decoder layer over a causal sequence of `seq_len` tokens (batch 1, prefill).
+def layer_flops(config, seq_len: int, alpha: float | None = None, fold: bool = True, past: int = 0) -> float:
+    """FLOPs of one decoder layer over `seq_len` new tokens of a causal sequence (batch 1).
 
     Args:
         alpha: None for a dense layer; the HARP α for a pruned one (0 drops the attention sub-layer).
+        past: tokens already in the KV cache (0 = prefill; seq_len=1, past=c = one decode step at context c).
     """
     s = _shape(config)
     d, h, kv, hd, t = s["d"], s["h"], s["kv"], s["hd"], seq_len
     mlp = 3 * d * s["ff"]
     if alpha is None:
         per_token = d * h * hd + 2 * d * kv * hd + h * hd * d + mlp
-        pairs = t * (t + 1) / 2  # causal: query i sees keys 0..i
+        pairs = t * past + t * (t + 1) / 2  # causal: new query i sees the past and keys 0..i
         return 2 * (per_token * t + 2 * h * hd * pairs)
     if alpha == 0.0:
         return 2 * mlp * t
@@ -42,19 +44,22 @@ def head_flops(config, tokens: int) -> float:
 
 
 def model_flops(config, seq_len: int, alphas: dict[int, float] | None = None, fold: bool = True,
-                from_layer: int = 0, head_tokens: int | None = None) -> float:
+                from_layer: int = 0, head_tokens: int | None = None, past: int = 0) -> float:
     """FLOPs of layers from_layer..L-1 plus the LM head on `head_tokens` tokens (default: all of them)."""
     alphas = alphas or {}
     L = _shape(config)["L"]
-    body = sum(layer_flops(config, seq_len, alphas.get(i), fold) for i in range(from_layer, L))
+    body = sum(layer_flops(config, seq_len, alphas.get(i), fold, past) for i in range(from_layer, L))
     return body + head_flops(config, seq_len if head_tokens is None else head_tokens)
 
 
 def speedup_bound(config, seq_len: int, alphas: dict[int, float], fold: bool = True,
-                  head_tokens: int | None = None) -> float:
-    """FLOPs_dense / FLOPs_HARP: the speed-up if time were proportional to FLOPs."""
-    return model_flops(config, seq_len, None, fold, 0, head_tokens) / model_flops(config, seq_len, alphas, fold, 0,
-                                                                                 head_tokens)
+                  head_tokens: int | None = None, past: int = 0) -> float:
+    """FLOPs_dense / FLOPs_HARP: the speed-up if time were proportional to FLOPs.
+
+    Prefill as generation runs it: `head_tokens=1`; one decode step at context c: `seq_len=1, past=c`.
+    """
+    dense = model_flops(config, seq_len, None, fold, 0, head_tokens, past)
+    return dense / model_flops(config, seq_len, alphas, fold, 0, head_tokens, past)
 
 
 def search_flops(config, layers: list[int], grid_size: int, seq_len: int) -> dict:

@@ -13,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
@@ -113,3 +114,75 @@ def line_panels(df: pd.DataFrame, x: str, y: str, col: str, hue: str, title: str
             ax.set_yscale("log")
     grid.figure.suptitle(title, y=1.04)
     return grid.figure
+
+
+def _log2_x(ax) -> None:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / 1024:g}k" if v >= 1024
+                                                                 else f"{v:g}"))
+
+
+def latency_loglog(df: pd.DataFrame, title: str):
+    """Prefill seconds and decode ms/token against context length, log–log; dense vs HARP per model/device."""
+    set_theme()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    labels = {"prefill": ("Prefill: whole prompt", "seconds per prompt (log)"),
+              "decode": ("Decode: one new token after the prompt", "ms per token (log)")}
+    for ax, (phase, (name, ylabel)) in zip(axes, labels.items(), strict=True):
+        part = df[df.phase == phase].assign(run=lambda d: d.model + " · " + d.device.str.split(" ").str[0])
+        sns.lineplot(data=part, x="seq_len", y="latency", hue="variant", style="run", marker="o", ax=ax,
+                     errorbar=None)
+        _log2_x(ax)
+        ax.set_yscale("log")
+        ax.set(title=name, xlabel="context length (tokens, log)", ylabel=ylabel)
+    fig.suptitle(title, y=1.02)
+    return fig
+
+
+def speedup_vs_bound(df: pd.DataFrame, bounds: pd.DataFrame | None, title: str):
+    """Measured speed-up (markers) and the FLOP-model bound (dashed) against length; prefill and decode panels.
+
+    `bounds` adds bound-only curves (model, seq_len, flop_bound, decode_flop_bound), e.g. a config-only model.
+    """
+    set_theme()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=False)
+    runs = df.assign(run=df.model + " · " + df.device.str.split(" ").str[0])
+    colors = dict(zip(list(runs.run.unique()) + ([] if bounds is None else list(bounds.model.unique())),
+                      sns.color_palette(), strict=False))
+    for ax, (meas, bound, name) in zip(axes, [("speedup", "flop_bound", "Prefill"),
+                                              ("decode_speedup", "decode_flop_bound", "Decode (per token)")],
+                                       strict=True):
+        for run, part in runs.groupby("run", sort=False):
+            ax.plot(part.seq_len, part[meas], marker="o", color=colors[run], label=f"{run}: measured")
+            ax.plot(part.seq_len, part[bound], ls="--", color=colors[run], label=f"{run}: FLOP bound")
+        if bounds is not None:
+            for model, part in bounds.groupby("model", sort=False):
+                ax.plot(part.seq_len, part[bound], ls=":", color=colors[model], label=f"{model}: FLOP bound")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        _log2_x(ax)
+        ax.set(title=name, xlabel="context length (tokens, log)", ylabel="speed-up of HARP over dense (×)")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.suptitle(title, y=1.02)
+    return fig
+
+
+def kv_and_memory(df: pd.DataFrame, title: str):
+    """KV-cache bytes after prefill (with the (L−N)/L expectation dashed) and peak prefill memory, per length."""
+    set_theme()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    mb = df.assign(kv_mb=df.kv_bytes / 2**20, expected_mb=df.kv_expected / 2**20, peak_mb=df.peak_mem_bytes / 2**20,
+                   run=df.model + " · " + df.device.str.split(" ").str[0])
+    sns.lineplot(data=mb, x="seq_len", y="kv_mb", hue="variant", style="run", marker="o", ax=axes[0], errorbar=None)
+    for _, part in mb[mb.variant == "HARP"].groupby("run"):
+        axes[0].plot(part.seq_len, part.expected_mb, ls="--", color="black", lw=0.8)
+    axes[0].plot([], [], ls="--", color="black", lw=0.8, label="dense minus the pruned layers")
+    axes[0].legend(fontsize=8)
+    sns.lineplot(data=mb, x="seq_len", y="peak_mb", hue="variant", style="run", marker="o", ax=axes[1],
+                 errorbar=None)
+    for ax, name, ylabel in [(axes[0], "KV cache after prefill", "MiB (log)"),
+                             (axes[1], "Peak extra memory during prefill", "MiB (log)")]:
+        _log2_x(ax)
+        ax.set_yscale("log")
+        ax.set(title=name, xlabel="context length (tokens, log)", ylabel=ylabel)
+    fig.suptitle(title, y=1.02)
+    return fig
