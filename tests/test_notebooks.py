@@ -40,6 +40,13 @@ GOLDEN = {
         "smollm2-135m/test_ppl/attention dropped, α = 0": (36.29, dict(rel=0.03)),
         "smollm2-135m/searched_alphas_top_first": ([0.3, 0.4, 0.8, 0.0], dict(abs=0.11)),  # one grid step
     },
+    "04_long_context_timing": {  # only what does not depend on the machine; speed-ups are benchmarks
+        "smollm2-135m/cpu/longest_seq_len": (2048, dict(abs=0)),
+        "smollm2-135m/cpu/kv_ratio": (22 / 30, dict(rel=1e-12)),  # top-8 of 30 layers keep no KV
+        "smollm2-135m/cpu/flop_bound": (1.116291, dict(rel=1e-5)),
+        "llama31_8b/flop_bound_64k": (1.185943, dict(rel=1e-5)),
+        "llama31_8b/param_ratio_paper_convention": (0.0330529, dict(rel=1e-4)),  # the paper's 3.3 %
+    },
     "05_ablations": {
         "smollm2-135m/dense/-/enwiki": (89.49, dict(rel=0.01)),
         "smollm2-135m/dense/-/lee": (51.92, dict(rel=0.01)),
