@@ -298,11 +298,12 @@ def param_report(model_or_config, plan: HarpPlan) -> dict:
     }
 
 
+def kv_bytes_per_layer(cache) -> list[int]:
+    """Bytes of K/V tensors each layer of a transformers cache holds (a pruned layer's DummyLayer: 0)."""
+    return [sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                if isinstance(t, torch.Tensor)) for layer in cache.layers]
+
+
 def kv_cache_bytes(cache) -> int:
     """Bytes of K/V tensors a transformers cache holds (pruned layers hold none)."""
-    total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    return sum(kv_bytes_per_layer(cache))

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .flops import model_flops, speedup_bound
-from .harp import apply_harp, kv_cache_bytes
+from .harp import apply_harp, kv_bytes_per_layer, kv_cache_bytes
 from .models import text_config
 
 VARIANTS = ("dense", "HARP")
@@ -189,7 +189,7 @@ def compare(
                     _, out = prefill(model, ids)
                 state[name] = {"cache": out.cache, "token": out.logits[:, -1:].argmax(-1),
                                "peak": peak.bytes, "kv": kv_cache_bytes(out.cache),
-                               "per_layer": _layer_kv_bytes(out.cache)}
+                               "per_layer": kv_bytes_per_layer(out.cache)}
                 del out
                 steps.update()
                 for _ in range(warmup - 1):
@@ -224,11 +224,6 @@ def compare(
     summary.insert(0, "dtype", str(next(dense.parameters()).dtype).removeprefix("torch."))
     summary.insert(0, "device", device_name(device))
     return summary, pd.DataFrame(samples)
-
-
-def _layer_kv_bytes(cache) -> list[int]:
-    return [sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                if isinstance(t, torch.Tensor)) for layer in cache.layers]
 
 
 def _median(samples: list[dict], t: int, variant: str, phase: str) -> float:

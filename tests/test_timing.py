@@ -63,7 +63,7 @@ def test_harness_columns_and_exact_kv_bytes(fam):
         assert row.kv_bytes_harp == kv_bytes_formula(dense.config, 48, n_pruned=2)
         assert row.kv_bytes_harp * 4 == row.kv_bytes_dense * 2
     else:  # sliding-window layers (window 8) keep 8 positions, so (L − N)/L does not hold; dense minus pruned does
-        assert row.kv_bytes_harp < row.kv_bytes_dense * 2 / 4
+        assert 0 < row.kv_bytes_harp < row.kv_bytes_dense
     assert row.kv_bytes_harp == row.kv_bytes_expected
     assert row.flop_bound == pytest.approx(speedup_bound(dense.config, 48, plan.alphas, head_tokens=1))
     assert (summary.threads == 1).all()
