@@ -120,7 +120,6 @@ def cmd_search(args) -> dict:
 
 
 def cmd_timing(args) -> dict:
-    import pandas as pd
 
     from .plots import _atomic  # the same atomic write as every figure's CSV
     from .results import run_info
@@ -143,7 +142,7 @@ def cmd_timing(args) -> dict:
     if args.csv:
         _atomic(Path(args.csv), lambda tmp: summary.to_csv(tmp, index=False))
     return {"model": model_info(model), "plan": plan.to_dict(), "info": run_info(args.seed, args.device),
-            "rows": summary.replace({pd.NA: None}).to_dict(orient="records")}
+            "rows": summary.astype(object).where(summary.notna(), None).to_dict(orient="records")}  # NaN -> null
 
 
 def build_parser() -> argparse.ArgumentParser:
