@@ -5,6 +5,11 @@ Greedy (paper): start at the topmost layer of the set, try every α of the grid 
 below the one being searched stay dense, so the hidden states entering it do not depend on the candidate: with
 `cache_prefix=True` they are computed once and each candidate runs only that layer, the layers above it, the
 final norm and the LM head. `cache_prefix=False` re-runs the whole model per candidate (the reference).
+
+The α of a layer depends only on the layers searched before it (those above it, top-down) and their α's, which
+in turn depend only on those layers: searches of two layer sets that start with the same top layers choose the
+same α's for them. A `memo` dict shared between searches on one model and one calibration set reuses them (the
+N sweep of top-N is one search of the deepest N; another selection that shares its top layers skips them).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ def search_alphas(
     cache_prefix: bool = True,
     batch_size: int = 4,
     history: list | None = None,
+    memo: dict | None = None,
 ) -> dict[int, float]:
     """Greedy top-down α search minimising calibration perplexity; the model is left unchanged.
 
@@ -65,21 +71,33 @@ def search_alphas(
         grid: candidate α values in [0, 1]; ties go to the smaller α.
         cache_prefix: reuse the hidden states entering the searched layer (identical result, faster).
         history: if a list is given, one dict per candidate is appended (layer, alpha, calib_ppl, chosen).
+        memo: a dict reused across calls on the same model and calibration windows; a layer whose searched-before
+            layers (and hence α's) match an earlier search is not searched again. Identical α's by construction.
     Returns:
         {layer: α}
     """
     order, grid = _setup(model, calib, layers, grid)
-    bounds = Boundaries(model, calib, batch_size) if cache_prefix else None
+    memo = {} if memo is None else memo
+    bounds = None
     chosen: dict[int, float] = {}
     bar = tqdm(total=len(order) * len(grid), desc="α search")
-    for layer in order:
-        scores = []
-        for alpha in grid:
-            bar.set_postfix(layer=layer, alpha=alpha)
-            with harp_applied(model, [*chosen, layer], {**chosen, layer: alpha}):
-                nll, count = bounds.nll_from(layer) if bounds else nll_sum(model, calib, batch_size, progress=False)
-            scores.append(math.exp(nll / count))
-            bar.update()
+    for depth, layer in enumerate(order):
+        key = (tuple(order[: depth + 1]), grid, batch_size, cache_prefix)
+        if key in memo:
+            scores = memo[key]
+            bar.update(len(grid))
+        else:
+            if cache_prefix and bounds is None:
+                bounds = Boundaries(model, calib, batch_size)
+            scores = []
+            for alpha in grid:
+                bar.set_postfix(layer=layer, alpha=alpha)
+                with harp_applied(model, [*chosen, layer], {**chosen, layer: alpha}):
+                    nll, count = bounds.nll_from(layer) if bounds else nll_sum(model, calib, batch_size,
+                                                                                 progress=False)
+                scores.append(math.exp(nll / count))
+                bar.update()
+            memo[key] = scores
         best = min(range(len(grid)), key=lambda k: (scores[k], grid[k]))
         chosen[layer] = grid[best]
         if history is not None:

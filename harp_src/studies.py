@@ -225,15 +225,17 @@ def selection_study(models: list[str], n_calib: int, n_test: int, seq_len: int, 
         for corpus, bounds in tests.items():
             sel_rows.append(dict(model=name, selection="dense", seed=0, n_layers=0, alpha_mode="-", corpus=corpus,
                                  ppl=_test_ppl(bounds, {}), layers=""))
+        memo: dict = {}  # searches share their top layers' α's (see search_alphas); the deepest top-N goes first
+        deepest = parse_layers(f"top:{max(n_values(L, n_max_frac))}", L)
+        greedy = search_alphas(model, calib, deepest, grid, memo=memo)
         for selection, rseed, layers in tqdm(_selections(scores, L, n, random_seeds), desc=f"selections {name}"):
             for mode in ("searched", "α = 1"):
-                alphas = search_alphas(model, calib, layers, grid) if mode == "searched" else dict.fromkeys(layers, 1.0)
+                alphas = (search_alphas(model, calib, layers, grid, memo=memo) if mode == "searched"
+                          else dict.fromkeys(layers, 1.0))
                 for corpus, bounds in tests.items():
                     sel_rows.append(dict(model=name, selection=selection, seed=rseed, n_layers=n, alpha_mode=mode,
                                          corpus=corpus, ppl=_test_ppl(bounds, alphas),
                                          layers=" ".join(map(str, layers))))
-        deepest = parse_layers(f"top:{max(n_values(L, n_max_frac))}", L)
-        greedy = search_alphas(model, calib, deepest, grid)
         for k in n_values(L, n_max_frac):
             top = deepest[-k:]
             for mode, alphas in (("searched", {i: greedy[i] for i in top}), ("α = 1", dict.fromkeys(top, 1.0))):

@@ -43,6 +43,26 @@ def test_greedy_is_top_down_and_leaves_model_dense():
     assert next(r for r in history if r["layer"] == 2 and r["chosen"])["calib_ppl"] == pytest.approx(expected)
 
 
+def test_memo_reuses_shared_top_layers_and_changes_nothing(monkeypatch):
+    """Sets that share their top layers share those layers' α's; the memo must skip exactly that work."""
+    from harp_src import prefix
+
+    model = make_tiny("gemma3")
+    fresh = {tuple(s): search_alphas(model, calib(), s, grid=(0.0, 0.3, 0.6, 1.0)) for s in ([3, 2, 1], [3, 2, 0])}
+    calls = []
+    original = prefix.Boundaries.nll_from
+    monkeypatch.setattr(prefix.Boundaries, "nll_from", lambda self, start: calls.append(start) or original(self, start))
+    memo, history = {}, []
+    deep = search_alphas(model, calib(), [3, 2, 1], grid=(0.0, 0.3, 0.6, 1.0), memo=memo)
+    other = search_alphas(model, calib(), [3, 2, 0], grid=(0.0, 0.3, 0.6, 1.0), memo=memo, history=history)
+    assert deep == fresh[(3, 2, 1)] and other == fresh[(3, 2, 0)]
+    assert calls == [3] * 4 + [2] * 4 + [1] * 4 + [0] * 4  # layers 3 and 2 were searched once
+    assert [r["layer"] for r in history] == [3] * 4 + [2] * 4 + [0] * 4  # history still reports every layer
+    # a different grid is a different search
+    search_alphas(model, calib(), [3], grid=(0.0, 1.0), memo=memo)
+    assert calls[-2:] == [3, 3]
+
+
 def test_ties_go_to_the_smaller_alpha():
     """With o_proj zeroed, every α gives exactly the same model: the smallest α must win."""
     model = make_tiny("llama")
