@@ -1,5 +1,7 @@
 """Tiny randomly initialised models of every supported family (built in code, no downloads)."""
 
+import time
+
 import pytest
 import torch
 from transformers import (
@@ -12,6 +14,7 @@ from transformers import (
 )
 
 SEED = 0
+SESSION_START = time.time()  # conftest loads before any test or notebook runs (see test_notebooks.py)
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
               max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
