@@ -3,6 +3,8 @@ long-context tasks, as tidy tables (the paper's results table, issue 6)."""
 
 from __future__ import annotations
 
+import time
+
 import pandas as pd
 
 from .data import ppl_windows
@@ -39,10 +41,11 @@ def evaluation_study(models: list[str], tasks: list[str], limit, num_fewshot, n_
 
     Returns:
         dict: results (model, method + run_tasks columns), long_context (model, method + long_context_eval
-        columns), alphas (model, layer, alpha), infos.
+        columns), alphas (model, layer, alpha), seconds (model, seconds: wall time of that model's part), infos.
     """
-    results, long_ctx, alphas_rows, infos = [], [], [], []
+    results, long_ctx, alphas_rows, infos, seconds = [], [], [], [], []
     for name in models:
+        start = time.perf_counter()
         model, tok = load_model(name, dtype=dtype, device=device)
         variants = method_alphas(model, tok, n_layers, n_calib, seq_len, seed)
         alphas_rows += [dict(model=name, layer=i, alpha=a) for i, a in variants[SEARCHED].items()]
@@ -58,12 +61,14 @@ def evaluation_study(models: list[str], tasks: list[str], limit, num_fewshot, n_
             if items and method in LONG_CONTEXT_METHODS:
                 long_ctx.append(long_context_eval(model, tok, items).assign(model=name, method=method))
         del model
+        seconds.append(dict(model=name, seconds=time.perf_counter() - start))
+        print(f"== {name}: {seconds[-1]['seconds'] / 60:.1f} min", flush=True)
     first = ["model", "method"]
     results = pd.concat(results, ignore_index=True)
     long_ctx = pd.concat(long_ctx, ignore_index=True) if long_ctx else pd.DataFrame(columns=first)
     return {"results": results[first + [c for c in results.columns if c not in first]],
             "long_context": long_ctx[first + [c for c in long_ctx.columns if c not in first]],
-            "alphas": pd.DataFrame(alphas_rows), "infos": infos}
+            "alphas": pd.DataFrame(alphas_rows), "seconds": pd.DataFrame(seconds), "infos": infos}
 
 
 def results_table(results: pd.DataFrame) -> pd.DataFrame:
@@ -98,4 +103,6 @@ def summarise_evaluation(tables: dict) -> dict:
             out[f"{model}/{method}/long_context/{task}"] = float(part.correct.mean())
     for model, part in tables["alphas"].groupby("model"):
         out[f"{model}/searched_alphas_top_first"] = [float(a) for a in part.sort_values("layer", ascending=False).alpha]
+    for row in tables.get("seconds", pd.DataFrame(columns=["model", "seconds"])).itertuples():
+        out[f"{row.model}/seconds"] = float(row.seconds)
     return out
