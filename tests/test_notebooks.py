@@ -79,10 +79,9 @@ def execute(name: str, out: Path, **params) -> None:
 
 def fresh_run(name: str, tmp_path: Path) -> Path:
     """The folder holding this session's quick-default run of the notebook: nbval's, else one made now."""
-    nbval_out = output_dir("quick")
-    if (nbval_out / f"{name}_metrics.json").exists() and \
-            (nbval_out / f"{name}_metrics.json").stat().st_mtime >= SESSION_START:
-        return nbval_out
+    nbval_metrics = output_dir("quick") / f"{name}_metrics.json"
+    if nbval_metrics.exists() and nbval_metrics.stat().st_mtime >= SESSION_START:
+        return nbval_metrics.parent
     execute(name, tmp_path)
     return tmp_path
 
