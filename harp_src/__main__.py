@@ -120,7 +120,6 @@ def cmd_search(args) -> dict:
 
 
 def cmd_timing(args) -> dict:
-
     from .plots import _atomic  # the same atomic write as every figure's CSV
     from .results import run_info
     from .timing import compare, harp_copy
