@@ -33,4 +33,4 @@ lab: setup
 	$(VENV)/bin/jupyter lab notebooks/
 
 lint: setup
-	$(VENV)/bin/ruff check harp_src tests
+	$(VENV)/bin/ruff check harp_src tests notebooks

@@ -13,14 +13,17 @@ import copy
 import json
 import sys
 import time
-from pathlib import Path
 
 from .data import ppl_windows
 from .evaluate import perplexity
+from .files import atomic_path
 from .flops import search_flops
 from .harp import HarpPlan, apply_harp, param_report, parse_layers
 from .models import fingerprint, get_adapter, load_model, model_info
+from .paper import llama31_8b_config
+from .results import run_info
 from .search import GRID, search_alphas
+from .timing import compare, harp_copy
 
 
 def parse_alphas(text: str, layers: list[int]) -> float | dict[int, float]:
@@ -79,13 +82,6 @@ def cmd_ppl(args) -> dict:
                   "seq_len": args.seq_len, "seed": args.seed, "metric": "perplexity = exp(mean token NLL)"}
 
 
-def _llama31_8b_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
-
-
 def cmd_search(args) -> dict:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     layers = parse_layers(args.layers, get_adapter(model).n_layers)
@@ -104,7 +100,7 @@ def cmd_search(args) -> dict:
         naive = search_alphas(model, calib, layers, grid, cache_prefix=False, batch_size=args.batch_size)
         naive_s = time.perf_counter() - start
         flops = search_flops(model.config, layers, len(grid), args.seq_len)
-        llama = search_flops(_llama31_8b_config(), list(range(24, 32)), len(grid), args.seq_len)  # paper: top-8
+        llama = search_flops(llama31_8b_config(), list(range(24, 32)), len(grid), args.seq_len)  # paper: top-8
         out |= {"naive_s": naive_s, "same_alphas": naive == alphas, "measured_ratio": naive_s / cached_s,
                 "flop_ratio": flops["predicted_ratio"],
                 "measured_over_flop": naive_s / cached_s / flops["predicted_ratio"],
@@ -120,10 +116,6 @@ def cmd_search(args) -> dict:
 
 
 def cmd_timing(args) -> dict:
-    from .plots import _atomic  # the same atomic write as every figure's CSV
-    from .results import run_info
-    from .timing import compare, harp_copy
-
     seq_lens = [int(t) for t in args.seq_lens.split(",") if t.strip()]
     if not seq_lens or min(seq_lens) < 2:
         raise ValueError(f"--seq-lens must be comma-separated lengths >= 2, got {args.seq_lens!r} (seq_lens)")
@@ -139,7 +131,8 @@ def cmd_timing(args) -> dict:
                          args.seed)
     summary.insert(0, "model", args.model)
     if args.csv:
-        _atomic(Path(args.csv), lambda tmp: summary.to_csv(tmp, index=False))
+        with atomic_path(args.csv) as tmp:
+            summary.to_csv(tmp, index=False)
     return {"model": model_info(model), "plan": plan.to_dict(), "info": run_info(args.seed, args.device),
             "rows": summary.astype(object).where(summary.notna(), None).to_dict(orient="records")}  # NaN -> null
 

@@ -62,8 +62,9 @@ class _Collector:
         for i, layer in enumerate(self.ad.layers):
             self.handles.append(layer.register_forward_pre_hook(self._enter(i), with_kwargs=True))
             self.handles.append(layer.register_forward_hook(self._leave(i), with_kwargs=True))
-            if not is_pruned(layer):
-                self.handles.append(layer.self_attn.register_forward_hook(self._attn(i, entropy), with_kwargs=True))
+            attn = self.ad.attention(i)
+            if not is_pruned(attn):
+                self.handles.append(attn.register_forward_hook(self._attn(i, entropy), with_kwargs=True))
         self.handles.append(self.ad.final_norm.register_forward_pre_hook(self._final))
         self.x_in: dict[int, torch.Tensor] = {}
 
@@ -157,39 +158,4 @@ def entropy_by_layer(df: pd.DataFrame) -> pd.DataFrame:
     g = ent.groupby(["model", "layer", "depth"]).value
     out = g.agg(["mean", "min", "max"]).reset_index().rename(columns={"mean": "value"})
     out["metric"] = "entropy"
-    return out
-
-
-def analyse_models(models: list[str], n_windows: int, seq_len: int, seed: int, dtype: str = "float32",
-                   device: str = "cpu") -> pd.DataFrame:
-    """layer_metrics for each model on the same enwiki-test windows spec (each model's own tokenizer)."""
-    from .data import ppl_windows
-    from .models import load_model
-
-    tables = []
-    for name in models:
-        model, tok = load_model(name, dtype=dtype, device=device)
-        windows = ppl_windows(tok, "enwiki", "test", n_windows, seq_len, seed)
-        tables.append(layer_metrics(model, windows, name=name))
-        del model
-    return pd.concat(tables, ignore_index=True)
-
-
-def summarise(df: pd.DataFrame) -> dict:
-    """Headline numbers per model: similarity in the bottom vs top quarter of depth, where the bypass
-    error (after the best rescaling) is smallest, and the mean best α in the top quarter."""
-    out = {}
-    for name, part in df.groupby("model"):
-        sim = part[(part.metric == "similarity") & (part.layer > 0)]  # layer 0 input = raw embeddings
-        rescaled = part[part.metric == "bypass_error_rescaled"]
-        alpha = part[part.metric == "alpha_star"]
-        best = rescaled.loc[rescaled.value.idxmin()]
-        out |= {
-            f"{name}/similarity_bottom_quarter": float(sim[sim.depth <= 0.25].value.mean()),
-            f"{name}/similarity_top_quarter": float(sim[sim.depth >= 0.75].value.mean()),
-            f"{name}/min_bypass_error_rescaled": float(best.value),
-            f"{name}/min_bypass_error_layer": int(best.layer),
-            f"{name}/alpha_star_top_quarter": float(alpha[alpha.depth >= 0.75].value.mean()),
-            f"{name}/alpha_star_bottom_quarter": float(alpha[alpha.depth <= 0.25].value.mean()),
-        }
     return out

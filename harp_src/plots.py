@@ -5,8 +5,6 @@ Takes tables, never models. `save_figure` writes NAME.png (fixed dpi, byte-stabl
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -17,6 +15,8 @@ import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from .files import atomic_path  # noqa: E402
+
 DPI = 120
 THEME = {"style": "whitegrid", "context": "notebook", "palette": "colorblind"}
 
@@ -26,24 +26,15 @@ def set_theme() -> None:
     plt.rcParams["svg.hashsalt"] = "harp"
 
 
-def _atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def save_figure(fig, table: pd.DataFrame, name: str, out_dir: str | Path) -> Path:
     """Write out_dir/name.png and out_dir/name.csv (the plotted numbers) atomically; close the figure."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     png = out_dir / f"{name}.png"
-    _atomic(png, lambda tmp: fig.savefig(tmp, dpi=DPI, bbox_inches="tight", metadata={"Software": None}))
-    _atomic(out_dir / f"{name}.csv", lambda tmp: table.to_csv(tmp, index=False, float_format="%.6g"))
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, dpi=DPI, bbox_inches="tight", metadata={"Software": None})
+    with atomic_path(out_dir / f"{name}.csv") as tmp:
+        table.to_csv(tmp, index=False, float_format="%.6g")
     plt.close(fig)
     return png
 
@@ -86,8 +77,12 @@ def ppl_curves(df: pd.DataFrame, title: str, x: str, xlabel: str, hue: str, col:
 
 
 def bars(df: pd.DataFrame, x: str, y: str, hue: str, title: str, xlabel: str, ylabel: str, col: str | None = None,
-         row: str | None = None, logy: bool = False):
-    """Grouped bars, optionally one panel per `col` (and `row`); x labels rotated to stay readable."""
+         row: str | None = None, logy: bool = False, ylim: tuple[float, float] | None = None,
+         reference: list[float] | None = None):
+    """Grouped bars, optionally one panel per `col` (and `row`); x labels rotated to stay readable.
+
+    `reference` draws one dashed black line per panel (panels in row-major order), e.g. the dense model's value.
+    """
     set_theme()
     grid = sns.catplot(data=df, x=x, y=y, hue=hue, col=col, row=row, kind="bar", height=3.6, aspect=1.3,
                        sharey=False, errorbar=None)
@@ -97,6 +92,10 @@ def bars(df: pd.DataFrame, x: str, y: str, hue: str, title: str, xlabel: str, yl
             ax.set_yscale("log")
         plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     grid.figure.suptitle(title, y=1.04)
+    for ax in grid.axes.flat if ylim else ():
+        ax.set_ylim(*ylim)
+    for ax, value in zip(grid.axes.flat, reference or (), strict=bool(reference)):
+        ax.axhline(value, ls="--", c="k")
     return grid.figure
 
 

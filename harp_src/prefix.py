@@ -8,6 +8,7 @@ evaluated by running only layers start..L-1, the final norm and the LM head.
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import contextmanager
 
 import torch
@@ -54,18 +55,11 @@ class Boundaries:
                 for i in range(start, self.ad.n_layers):
                     out = self.ad.layers[i](h, **kwargs[i])
                     h = out[0] if isinstance(out, tuple) else out
-                logits = logits_from_hidden(self.model, h)
+                logits = self.ad.logits(h)
                 total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
                                          reduction="sum").item()
                 count += ids[:, 1:].numel()
         return total, count
-
-
-def logits_from_hidden(model, h: torch.Tensor) -> torch.Tensor:
-    """Final norm, LM head and (Gemma-2) logit soft-capping, as the model's own forward does."""
-    logits = model.get_output_embeddings()(get_adapter(model).final_norm(h))
-    cap = getattr(text_config(model.config), "final_logit_softcapping", None)
-    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 @contextmanager
@@ -96,3 +90,9 @@ def nll_of_plan(bounds: Boundaries, layers: list[int], alphas, fold: bool = True
         return bounds.nll_from(bounds.ad.n_layers - 1)
     with harp_applied(bounds.model, layers, alphas, fold):
         return bounds.nll_from(min(layers))
+
+
+def ppl_of_plan(bounds: Boundaries, alphas: dict[int, float]) -> float:
+    """Perplexity on the bounds' windows with `alphas` ({layer: α}) applied; {} is the dense model (full run)."""
+    nll, count = nll_of_plan(bounds, sorted(alphas), alphas) if alphas else bounds.nll_from(0)
+    return math.exp(nll / count)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import platform
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 
+from .files import write_json
 from .models import ROOT
 
 PROFILES = ("quick", "full")
@@ -42,8 +44,6 @@ def git_commit() -> str:
 
 def run_info(seed: int, device: str = "cpu") -> dict:
     """Versions, device, seed and commit: printed by every notebook and stored with its metrics."""
-    import transformers
-
     return {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -53,15 +53,6 @@ def run_info(seed: int, device: str = "cpu") -> dict:
         "seed": seed,
         "commit": git_commit(),
     }
-
-
-def write_json(path: Path, obj) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(obj, handle, indent=1, default=str)
-        handle.write("\n")
-    os.replace(tmp, path)
 
 
 def record_metrics(name: str, metrics: dict, out_dir: str | Path, info: dict, models: list[dict]) -> Path:
@@ -78,25 +69,91 @@ def read_metrics(name: str, out_dir: str | Path) -> dict:
     return json.loads((Path(out_dir) / f"{name}_metrics.json").read_text())["metrics"]
 
 
-def check_parameters(**params) -> None:
-    """Fail on the first cell with one clear message when a papermill parameter has the wrong type.
+# ---------------------------------------------------------------------------------------------- notebook parameters
+NOTEBOOKS = ROOT / "notebooks"
+_TYPE_NAMES = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list, "None": type(None)}
 
-    Each keyword is NAME=(value, expected type or tuple of types); lists are checked element-wise via
-    (value, list, element type).
-    """
-    problems = []
-    for name, spec in params.items():
-        value, kind = spec[0], spec[1]
-        if kind is list:
-            if not isinstance(value, (list, tuple)) or not all(isinstance(v, spec[2]) for v in value):
-                problems.append(f"{name}={value!r} must be a list of {spec[2].__name__}")
-        elif isinstance(value, bool) and kind in (int, float):
-            problems.append(f"{name}={value!r} must be {kind.__name__}, not bool")
-        elif not isinstance(value, kind):
-            names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-            problems.append(f"{name}={value!r} must be {names}")
+
+def parameters_source(notebook: str) -> str:
+    """The source of the cell tagged `parameters` in notebooks/<notebook>.ipynb."""
+    path = NOTEBOOKS / f"{notebook}.ipynb"
+    if not path.exists():
+        raise FileNotFoundError(f"no notebook {path}: pass the name of a notebook in notebooks/, without .ipynb")
+    cells = json.loads(path.read_text())["cells"]
+    tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if len(tagged) != 1:
+        raise ValueError(f"{path.name} must have exactly one cell tagged 'parameters', found {len(tagged)}")
+    source = tagged[0]["source"]
+    return "".join(source) if isinstance(source, list) else source
+
+
+def _kinds_of_annotation(node: ast.expr) -> tuple:
+    """`int | dict | None`, `list[str]` -> accepted kinds; a kind is a type or ("list", element kinds)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _kinds_of_annotation(node.left) + _kinds_of_annotation(node.right)
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "list":
+        return (("list", _kinds_of_annotation(node.slice)),)
+    name = node.id if isinstance(node, ast.Name) else repr(node.value) if isinstance(node, ast.Constant) else None
+    if name not in _TYPE_NAMES:
+        raise ValueError(f"parameter annotation {ast.unparse(node)!r}: use {sorted(_TYPE_NAMES)}, | and list[...]")
+    return (_TYPE_NAMES[name],)
+
+
+def _kinds_of_default(value) -> tuple:
+    """The kinds a default admits: its own type (an int where the default is a float), a list of its elements'."""
+    if isinstance(value, bool):
+        return (bool,)
+    if isinstance(value, float):
+        return (float, int)
+    if isinstance(value, (list, tuple)):
+        elements = tuple(dict.fromkeys(k for v in value for k in _kinds_of_default(v)))
+        return (("list", elements),)
+    return (type(value),)
+
+
+def parameter_spec(source: str) -> dict[str, tuple]:
+    """{NAME: accepted kinds} for each assignment of a parameters cell: its annotation where it has one
+    (`LIMIT: int | dict = 5`), else the type of its default."""
+    spec = {}
+    for stmt in ast.parse(source).body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            spec[stmt.target.id] = _kinds_of_annotation(stmt.annotation)
+        elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            spec[stmt.targets[0].id] = _kinds_of_default(ast.literal_eval(stmt.value))
+    return spec
+
+
+def _matches(value, kind) -> bool:
+    if isinstance(kind, tuple):  # ("list", element kinds); no element kinds: any elements
+        return isinstance(value, (list, tuple)) and (not kind[1] or all(
+            any(_matches(v, k) for k in kind[1]) for v in value))
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, kind)
+
+
+def _describe(kinds: tuple) -> str:
+    names = [f"a list of {' or '.join(_describe((e,)) for e in k[1]) or 'values'}" if isinstance(k, tuple)
+             else "None" if k is type(None) else k.__name__ for k in kinds]
+    return " or ".join(names)
+
+
+def check_values(values: dict, spec: dict[str, tuple]) -> None:
+    """Raise one clear error naming every value whose type `spec` (from parameter_spec) does not admit."""
+    problems = [f"{name}={values[name]!r} must be {_describe(kinds)}" for name, kinds in spec.items()
+                if name in values and not any(_matches(values[name], k) for k in kinds)]
     if problems:
         raise TypeError("bad notebook parameter: " + "; ".join(problems))
-    profile = params.get("PROFILE", (None,))[0]
-    if profile is not None and profile not in PROFILES:
-        raise ValueError(f"PROFILE={profile!r}: choose one of {PROFILES}")
+    if "PROFILE" in values and values["PROFILE"] not in PROFILES:
+        raise ValueError(f"PROFILE={values['PROFILE']!r}: choose one of {PROFILES}")
+
+
+def check_parameters(notebook: str, namespace: dict) -> None:
+    """Fail a notebook's first code cell with one clear message when a (papermill) parameter has the wrong type.
+
+    Args:
+        notebook: the notebook's name in notebooks/ (e.g. "01_over_smoothing"); its parameters cell gives the types.
+        namespace: the notebook's `globals()`, holding the parameters' current values.
+    """
+    spec = parameter_spec(parameters_source(notebook))
+    check_values({name: namespace[name] for name in spec if name in namespace}, spec)

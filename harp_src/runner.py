@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import papermill as pm
 import yaml
 
 from .models import ROOT
@@ -30,8 +31,6 @@ def profile_parameters(profile: str, notebook: str) -> dict:
 
 
 def run_notebook(path: Path, profile: str, out_dir: Path) -> tuple[str, float, str]:
-    import papermill as pm
-
     start = time.time()
     try:
         pm.execute_notebook(str(path), str(out_dir / path.name), parameters=profile_parameters(profile, path.stem),

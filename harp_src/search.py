@@ -21,8 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .analysis import layer_metrics
-from .evaluate import _check_windows, nll_sum
-from .harp import parse_layers
+from .evaluate import check_windows, nll_sum
+from .harp import check_layers
 from .models import get_adapter
 from .prefix import Boundaries, harp_applied
 
@@ -40,15 +40,11 @@ def _check_grid(grid: Sequence[float]) -> tuple[float, ...]:
 
 
 def _setup(model, calib: torch.Tensor, layers, grid) -> tuple[list[int], tuple[float, ...]]:
-    _check_windows(model, calib)
-    ad = get_adapter(model)
-    layers = parse_layers(layers, ad.n_layers)
+    """Checked inputs: the layers top-down and the grid ascending."""
+    check_windows(model, calib)
+    layers = check_layers(get_adapter(model), layers)
     if not layers:
         raise ValueError("no layers to search")
-    for i in layers:
-        ad.check_layer(i)
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"layers {layers} contain duplicates")
     return sorted(layers, reverse=True), _check_grid(grid)
 
 

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import ctypes
 import gc
+import platform
 import statistics
 import threading
 import time
@@ -24,7 +25,7 @@ from tqdm.auto import tqdm
 
 from .flops import model_flops, speedup_bound
 from .harp import apply_harp, kv_bytes_per_layer, kv_cache_bytes
-from .models import text_config
+from .models import head_dim, text_config
 
 VARIANTS = ("dense", "HARP")
 
@@ -143,6 +144,85 @@ def _check(seq_lens: list[int], repeats: int, warmup: int, decode_steps: int) ->
                          "and decode_steps >= 0")
 
 
+def _check_pair(dense, harp):
+    """The plan of `harp`; refuses a pair that is not (dense model, its pruned copy)."""
+    plan = getattr(harp, "harp_plan", None)
+    if plan is None:
+        raise ValueError("the second model is not pruned: make it with harp_copy(model, layers) or apply_harp")
+    if getattr(dense, "harp_plan", None) is not None:
+        raise ValueError("the first model must be the dense one, but it carries a HARP plan")
+    return plan
+
+
+def _sample(t: int, variant: str, phase: str, repeat: int, seconds: float) -> dict:
+    return {"seq_len": t, "variant": variant, "phase": phase, "repeat": repeat, "seconds": seconds}
+
+
+def _warm_up(models: dict, ids: torch.Tensor, warmup: int, steps) -> dict:
+    """Untimed prefills of each model; the first records peak memory, KV bytes and the cache decoding starts from."""
+    state = {}
+    for name, model in models.items():
+        steps.set_postfix(seq_len=ids.shape[1], phase="warm-up", model=name)
+        with PeakMemory(_device(model)) as peak:
+            _, out = prefill(model, ids)
+        state[name] = {"cache": out.cache, "token": out.logits[:, -1:].argmax(-1), "peak": peak.bytes,
+                       "kv": kv_cache_bytes(out.cache), "per_layer": kv_bytes_per_layer(out.cache)}
+        del out
+        steps.update()
+        for _ in range(warmup - 1):
+            prefill(model, ids)
+            steps.update()
+    return state
+
+
+def _decode(models: dict, state: dict, t: int, decode_steps: int, steps) -> list[dict]:
+    """Greedy decode steps on top of each warm-up cache, alternating models; one sample per step."""
+    samples = []
+    for step in range(decode_steps):
+        for name, model in models.items():
+            steps.set_postfix(seq_len=t, phase="decode", model=name)
+            s = state[name]
+            seconds, s["token"] = decode_step(model, s["token"], s["cache"])
+            samples.append(_sample(t, name, "decode", step, seconds))
+            steps.update()
+    return samples
+
+
+def _memory(state: dict, plan) -> tuple[dict, dict]:
+    """(KV bytes per variant plus the expected HARP bytes, peak memory per variant) from the warm-up."""
+    kv = {name: s["kv"] for name, s in state.items()}
+    # what HARP must keep: the dense cache of every layer it does not prune (exact for any layer type)
+    kv["expected"] = sum(b for i, b in enumerate(state["dense"]["per_layer"]) if i not in plan.alphas)
+    return kv, {name: s["peak"] for name, s in state.items()}
+
+
+def _prefills(models: dict, ids: torch.Tensor, repeats: int, steps) -> list[dict]:
+    """Timed prefills, the order flipping every repeat (dense, HARP, HARP, dense, …)."""
+    t, samples = ids.shape[1], []
+    for r in range(repeats):
+        for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            steps.set_postfix(seq_len=t, phase="prefill", model=name)
+            seconds, out = prefill(models[name], ids)
+            del out
+            samples.append(_sample(t, name, "prefill", r, seconds))
+            steps.update()
+    return samples
+
+
+def _measure_length(models: dict, plan, t: int, repeats: int, warmup: int, decode_steps: int, seed: int,
+                    steps) -> tuple[dict, list[dict]]:
+    """Warm-up, decode and interleaved prefills at one length: (summary row, timed samples)."""
+    dense = models["dense"]
+    ids = random_prompt(text_config(dense.config).vocab_size, t, seed, _device(dense))
+    state = _warm_up(models, ids, warmup, steps)
+    samples = _decode(models, state, t, decode_steps, steps)
+    kv, peak = _memory(state, plan)
+    state.clear()  # free the caches before the timed prefills
+    _trim_heap()
+    samples += _prefills(models, ids, repeats, steps)
+    return _summary_row(samples, dense.config, plan, t, kv, peak), samples
+
+
 def compare(
     dense,
     harp,
@@ -167,62 +247,21 @@ def compare(
     """
     seq_lens = [int(t) for t in seq_lens]
     _check(seq_lens, repeats, warmup, decode_steps)
-    plan = getattr(harp, "harp_plan", None)
-    if plan is None:
-        raise ValueError("the second model is not pruned: make it with harp_copy(model, layers) or apply_harp")
-    if getattr(dense, "harp_plan", None) is not None:
-        raise ValueError("the first model must be the dense one, but it carries a HARP plan")
+    plan = _check_pair(dense, harp)
     models = {"dense": dense, "HARP": harp}
-    device = _device(dense)
-    config = dense.config
-    vocab = text_config(config).vocab_size
     samples, rows = [], []
     with num_threads(threads) as n_threads:
         steps = tqdm(total=len(seq_lens) * (2 * warmup + 2 * decode_steps + 2 * repeats), desc="timing",
                      disable=not progress)
         for t in seq_lens:
-            ids = random_prompt(vocab, t, seed, device)
-            state = {}
-            for name, model in models.items():
-                steps.set_postfix(seq_len=t, phase="warm-up", model=name)
-                with PeakMemory(device) as peak:
-                    _, out = prefill(model, ids)
-                state[name] = {"cache": out.cache, "token": out.logits[:, -1:].argmax(-1),
-                               "peak": peak.bytes, "kv": kv_cache_bytes(out.cache),
-                               "per_layer": kv_bytes_per_layer(out.cache)}
-                del out
-                steps.update()
-                for _ in range(warmup - 1):
-                    prefill(model, ids)
-                    steps.update()
-            for step in range(decode_steps):
-                for name, model in models.items():
-                    steps.set_postfix(seq_len=t, phase="decode", model=name)
-                    s = state[name]
-                    seconds, s["token"] = decode_step(model, s["token"], s["cache"])
-                    samples.append({"seq_len": t, "variant": name, "phase": "decode", "repeat": step,
-                                    "seconds": seconds})
-                    steps.update()
-            kv = {name: state[name]["kv"] for name in models}
-            # what HARP must keep: the dense cache of every layer it does not prune (exact for any layer type)
-            kv["expected"] = sum(b for i, b in enumerate(state["dense"]["per_layer"]) if i not in plan.alphas)
-            peak = {name: state[name]["peak"] for name in models}
-            state.clear()
-            _trim_heap()
-            for r in range(repeats):
-                for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-                    steps.set_postfix(seq_len=t, phase="prefill", model=name)
-                    seconds, out = prefill(models[name], ids)
-                    del out
-                    samples.append({"seq_len": t, "variant": name, "phase": "prefill", "repeat": r,
-                                    "seconds": seconds})
-                    steps.update()
-            rows.append(_summary_row(samples, config, plan, t, kv, peak))
+            row, timed = _measure_length(models, plan, t, repeats, warmup, decode_steps, seed, steps)
+            rows.append(row)
+            samples += timed
         steps.close()
     summary = pd.DataFrame(rows)
     summary.insert(0, "threads", n_threads)
     summary.insert(0, "dtype", str(next(dense.parameters()).dtype).removeprefix("torch."))
-    summary.insert(0, "device", device_name(device))
+    summary.insert(0, "device", device_name(_device(dense)))
     return summary, pd.DataFrame(samples)
 
 
@@ -272,8 +311,6 @@ def cpu_model() -> str:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    import platform
-
     return platform.processor() or "unknown CPU"
 
 
@@ -284,9 +321,8 @@ def kv_bytes_formula(config, seq_len: int, n_pruned: int = 0, dtype: torch.dtype
     sliding-window layers keep at most their window.
     """
     cfg = text_config(config)
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     size = torch.empty((), dtype=dtype).element_size()
-    return 2 * (cfg.num_hidden_layers - n_pruned) * cfg.num_key_value_heads * hd * seq_len * size
+    return 2 * (cfg.num_hidden_layers - n_pruned) * cfg.num_key_value_heads * head_dim(cfg) * seq_len * size
 
 
 def flop_bounds(config, alphas: dict[int, float], seq_lens: Iterable[int], fold: bool = True) -> pd.DataFrame:

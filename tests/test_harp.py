@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from harp_src import HarpPlan, apply_harp, load_model, param_report
 from harp_src.harp import BypassAttention, kv_cache_bytes, parse_layers
 from harp_src.models import fingerprint, get_adapter
+from harp_src.paper import llama31_8b_config, official_llama31_8b_alphas
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -168,6 +169,7 @@ def test_llama31_8b_paper_ratio():
     top_first = [0.8, 0.2, 0.1, 0.1, 0.0, 0.1, 0.0, 0.0]
     plan = HarpPlan({"family": "llama", "num_layers": 32, "hidden_size": 4096, "num_heads": 32,
                      "num_kv_heads": 8}, {31 - k: a for k, a in enumerate(top_first)})
+    assert plan.alphas == official_llama31_8b_alphas() and llama31_8b_config().to_dict() == cfg.to_dict()
     report = param_report(cfg, plan)
     assert round(100 * report["ratio_paper"], 3) == 3.305
     # 8 × (Q + K) + 3 × (V + O) with Q = O = 4096², K = V = 4096·1024

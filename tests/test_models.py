@@ -5,9 +5,19 @@ import time
 import pytest
 import torch
 from conftest import make_tiny
+from transformers import Gemma3TextConfig, LlamaConfig
 
 from harp_src import load_model, perplexity, ppl_windows
-from harp_src.models import PACKAGED, Packaged, family_of, get_adapter, repeat_heads, resolve_source
+from harp_src.models import (
+    PACKAGED,
+    Packaged,
+    family_of,
+    get_adapter,
+    head_dim,
+    hub_reachable,
+    repeat_heads,
+    resolve_source,
+)
 
 
 def test_adapter_exposes_every_family(family):
@@ -18,6 +28,27 @@ def test_adapter_exposes_every_family(family):
     assert attn.q_proj.out_features == ad.n_heads * ad.head_dim
     assert attn.v_proj.out_features == ad.n_kv_heads * ad.head_dim
     assert (ad.attn_out_norm(0) is not None) == family.startswith("gemma")
+    layer = model.model.layers[0]
+    expected = [layer.input_layernorm] + ([layer.post_attention_layernorm] if family.startswith("gemma") else [])
+    assert all(a is b for a, b in zip(ad.attention_norms(0), expected, strict=True))
+    assert ad.branch_module(0) is (layer.post_attention_layernorm if family.startswith("gemma") else attn)
+
+
+def test_adapter_logits_equal_the_models_own(family, ids):
+    """Final norm, LM head and soft-capping from the last layer's output reproduce the model's logits."""
+    model = make_tiny(family)
+    if family == "gemma2":
+        assert model.config.final_logit_softcapping  # the capped path is the one exercised here
+    ad, seen = get_adapter(model), {}
+    ad.final_norm.register_forward_pre_hook(lambda m, args: seen.update(h=args[0]))  # the last layer's output
+    with torch.no_grad():
+        logits = model(ids).logits
+        torch.testing.assert_close(ad.logits(seen["h"]), logits, rtol=0, atol=0)
+
+
+def test_head_dim_prefers_the_configs_own():
+    assert head_dim(Gemma3TextConfig(hidden_size=64, num_attention_heads=2, head_dim=48)) == 48
+    assert head_dim(LlamaConfig(hidden_size=64, num_attention_heads=4)) == 16
 
 
 def test_repeat_heads_matches_repeat_kv_order():
@@ -55,9 +86,7 @@ def test_hub_id_offline_fails_fast(monkeypatch):
 
 def test_hub_id_without_network_fails_within_seconds(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    from harp_src.models import _hub_reachable
-
-    if _hub_reachable():
+    if hub_reachable():
         pytest.skip("the Hub is reachable here")
     start = time.time()
     with pytest.raises(ConnectionError):

@@ -13,7 +13,7 @@ import pytest
 from conftest import SESSION_START
 
 from harp_src import runner
-from harp_src.results import check_parameters, output_dir, read_metrics
+from harp_src.results import check_parameters, check_values, output_dir, parameter_spec, parameters_source, read_metrics
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 pytestmark = pytest.mark.slow
@@ -101,14 +101,56 @@ def test_wrong_parameter_type_fails_in_the_first_cell(tmp_path):
         execute("01_over_smoothing", tmp_path, N_WINDOWS="two")
 
 
+PARAMETERS_CELL = """A = 1  # an int
+B = ["x"]  # strings
+C: int | dict | None = 0  # where the default alone does not say, an annotation does
+E: list[str] = []  # an empty list says nothing about its elements
+F = 0.5  # a float (an int is accepted too)
+PROFILE = "quick"  # a profile name
+"""
+
+
 def test_check_parameters():
-    check_parameters(A=(1, int), B=(["x"], list, str), PROFILE=("quick", str))
+    """The expected types come from the parameters cell itself: defaults, or annotations where they exist."""
+    spec = parameter_spec(PARAMETERS_CELL)
+    check_values(dict(A=1, B=["x"], C=0, E=[], F=0.5, PROFILE="quick"), spec)
+    check_values(dict(C={"arc_easy": 3}, E=["rows.csv"], F=1), spec)
+    check_values(dict(C=None, B=("x", "y")), spec)
     with pytest.raises(TypeError, match="A=True must be int"):
-        check_parameters(A=(True, int))
+        check_values(dict(A=True), spec)
     with pytest.raises(TypeError, match="B=\\['x', 2\\] must be a list of str"):
-        check_parameters(B=(["x", 2], list, str))
+        check_values(dict(B=["x", 2]), spec)
+    with pytest.raises(TypeError, match="C='5' must be int or dict or None"):
+        check_values(dict(C="5"), spec)
+    with pytest.raises(TypeError, match="E=\\[1\\] must be a list of str; F='0.5' must be float or int"):
+        check_values(dict(E=[1], F="0.5"), spec)
     with pytest.raises(ValueError, match="PROFILE='medium'"):
-        check_parameters(PROFILE=("medium", str))
+        check_values(dict(PROFILE="medium"), spec)
+    with pytest.raises(ValueError, match="annotation 'set'"):
+        parameter_spec("A: set = 1  # not a type the check knows")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")))
+def test_notebook_defaults_and_profiles_pass_the_notebooks_own_check(name):
+    """Each notebook's defaults pass its one-line check, and every profile sets only parameters it has, with the
+    right types (a typo in full.yaml would otherwise surface only hours into `make reproduce`)."""
+    source = parameters_source(name)
+    spec = parameter_spec(source)
+    namespace: dict = {}
+    exec(source, {}, namespace)
+    defaults = {k: v for k, v in namespace.items() if not k.startswith("__")}  # not __annotations__
+    assert set(defaults) == set(spec) and {"PROFILE", "OUT_DIR", "SEED"} <= set(spec)
+    check_parameters(name, defaults)
+    for profile in runner_profiles():
+        values = runner.profile_parameters(profile, name)
+        assert set(values) <= set(spec), f"{profile}.yaml sets {set(values) - set(spec)}, which {name} lacks"
+        check_values(values, spec)
+    with pytest.raises(FileNotFoundError, match="notebooks/"):
+        parameters_source("99_missing")
+
+
+def runner_profiles() -> list[str]:
+    return sorted(p.stem for p in (NOTEBOOKS / "profiles").glob("*.yaml"))
 
 
 def test_runner_keeps_going_and_reports(monkeypatch, capsys):

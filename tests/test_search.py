@@ -9,6 +9,7 @@ from transformers import LlamaConfig
 
 from harp_src import apply_harp, load_model, perplexity, ppl_windows
 from harp_src.flops import layer_flops, model_flops, search_flops, speedup_bound
+from harp_src.prefix import Boundaries, ppl_of_plan
 from harp_src.search import closed_form_alphas, refine_alphas, search_alphas
 
 
@@ -104,6 +105,28 @@ def test_closed_form_alpha_is_least_squares_scale():
 def test_bad_search_input(kwargs, message):
     with pytest.raises(ValueError, match=message):
         search_alphas(make_tiny("llama"), calib(), **kwargs)
+
+
+def test_search_and_pruning_share_one_layer_check():
+    """search_alphas validates layers as apply_harp does: an already pruned layer is refused by both."""
+    model = make_tiny("llama")
+    apply_harp(model, [3], 1.0)
+    for call in (lambda: search_alphas(model, calib(), [2, 3]), lambda: apply_harp(model, [2, 3], 1.0)):
+        with pytest.raises(ValueError, match=r"layers \[3\] are already pruned"):
+            call()
+    with pytest.raises(ValueError, match="duplicates; give each layer once"):
+        search_alphas(make_tiny("llama"), calib(), [1, 1])
+
+
+def test_ppl_of_plan_equals_pruning_for_real(family):
+    """The cached-boundary perplexity of a plan equals the perplexity of a model pruned by that plan."""
+    windows = calib()
+    bounds = Boundaries(make_tiny(family), windows)
+    alphas = {1: 0.3, 3: 0.0}
+    pruned = make_tiny(family)
+    apply_harp(pruned, list(alphas), alphas)
+    assert ppl_of_plan(bounds, alphas) == pytest.approx(perplexity(pruned, windows, progress=False), rel=1e-5)
+    assert ppl_of_plan(bounds, {}) == pytest.approx(perplexity(make_tiny(family), windows, progress=False), rel=1e-6)
 
 
 def test_bad_calibration_windows():

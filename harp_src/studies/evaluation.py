@@ -1,5 +1,5 @@
-"""Notebook 08's study: dense vs HARP variants of each model through the lm-eval task suite and the synthetic
-long-context tasks, as tidy tables (the paper's results table, issue 6)."""
+"""Notebook 08: dense vs HARP variants of each model through the lm-eval task suite and the synthetic long-context
+tasks, as tidy tables (the paper's results table, issue 6)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import time
 
 import pandas as pd
 
-from .data import ppl_windows
-from .evaluate import DISCRIMINATIVE, GENERATION, run_tasks
-from .harp import apply_harp, parse_layers
-from .longcontext import long_context_eval, multidoc_items, passkey_items
-from .models import fingerprint, load_model, model_info
-from .search import search_alphas
-from .studies import quarter_depth
+from ..data import ppl_windows
+from ..evaluate import DISCRIMINATIVE, GENERATION, run_tasks
+from ..harp import apply_harp, parse_layers, quarter_depth
+from ..longcontext import long_context_eval, multidoc_items, passkey_items
+from ..models import fingerprint, load_model, model_info
+from ..search import search_alphas
 
 DENSE, SEARCHED, ALPHA1, ALPHA0 = "dense", "HARP, searched α", "HARP, α = 1", "attention dropped, α = 0"
 METHODS = (DENSE, SEARCHED, ALPHA1, ALPHA0)
@@ -30,6 +29,7 @@ def method_alphas(model, tok, n_layers: int, n_calib: int, seq_len: int, seed: i
 
 
 def long_context_items(tok, lengths, depths, n_per_cell: int, seed: int) -> list[dict]:
+    """Passkey and multi-document QA items for every length and depth (see longcontext)."""
     return passkey_items(tok, lengths, depths, n_per_cell, seed) + multidoc_items(tok, lengths, depths, n_per_cell,
                                                                                   seed)
 

@@ -1,0 +1,27 @@
+"""The paper's own setting, from public numbers: the Llama-3.1-8B config, the official code's α list, reported results.
+
+Used where a config-only comparison with the paper is made (FLOP bounds, the parameter ratio); see
+../shared/DESIGN.md §5.
+"""
+
+from __future__ import annotations
+
+from transformers import LlamaConfig
+
+# the public Llama-3.1-8B shapes (no weights needed for FLOP and parameter counts)
+LLAMA31_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                  intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+# the official code's Llama-3.1-8B top-8 list, top layer first (DESIGN.md §5)
+OFFICIAL_LLAMA31_8B_TOP_FIRST = (0.8, 0.2, 0.1, 0.1, 0.0, 0.1, 0.0, 0.0)
+PAPER_LLAMA31_8B = {"speedup_64k": 1.167, "param_ratio": 0.033}  # the paper's reported numbers
+
+
+def llama31_8b_config() -> LlamaConfig:
+    """A fresh LlamaConfig with Llama-3.1-8B's shapes."""
+    return LlamaConfig(**LLAMA31_8B)
+
+
+def official_llama31_8b_alphas() -> dict[int, float]:
+    """The official top-8 α's as {0-based layer: α} (the list is top-first: layer 31 gets its first entry)."""
+    last = LLAMA31_8B["num_hidden_layers"] - 1
+    return {last - k: a for k, a in enumerate(OFFICIAL_LLAMA31_8B_TOP_FIRST)}

@@ -1,0 +1,13 @@
+"""The experiment behind each notebook, one module per notebook, each returning tidy tables that `plots` draws.
+
+| notebook | module |
+|---|---|
+| 01_over_smoothing | `over_smoothing` |
+| 02_head_removal | `head_removal` |
+| 03_alpha_search | `alpha_search` |
+| 04_long_context_timing | `long_context_timing` |
+| 05_ablations | `ablations` |
+| 08_evaluation | `evaluation` |
+
+Studies import the flat library modules of `harp_src`, never each other.
+"""
