@@ -4,6 +4,7 @@
     python -m harp_src search --model smollm2-135m --layers top:8 --out plan.json [--compare-naive]
     python -m harp_src ppl --model smollm2-135m [--plan plan.json] [--corpus lee]
     python -m harp_src timing --model smollm2-135m --layers top:8 --seq-lens 1024,4096,16384 [--csv rows.csv]
+    python -m harp_src evalbench --model smollm2-135m --tasks arc_easy --limit 200 [--fewshot 0] [--threads 2]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import time
 
 from .data import ppl_windows
+from .evalbench import bench_task, check_task
 from .evaluate import perplexity
 from .files import atomic_path
 from .flops import search_flops
@@ -137,6 +139,16 @@ def cmd_timing(args) -> dict:
             "rows": summary.astype(object).where(summary.notna(), None).to_dict(orient="records")}  # NaN -> null
 
 
+def cmd_evalbench(args) -> dict:
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    for task in tasks:  # refuse an unknown task before the model loads
+        check_task(task)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    rows = [bench_task(model, tok, task, args.limit, args.fewshot, args.repeats, args.warmup, args.threads)
+            for task in tasks]
+    return {"model": model_info(model), "info": run_info(0, args.device), "rows": rows}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m harp_src", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,6 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
     timing.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     timing.add_argument("--csv", help="also write the rows as CSV here")
     timing.set_defaults(func=cmd_timing)
+    bench = sub.add_parser("evalbench", help="benchmark: lm-eval's stock HFLM vs FastHFLM on the same requests, "
+                                             "interleaved; items/s, ratio, largest log-likelihood difference")
+    _model_args(bench)
+    bench.add_argument("--tasks", default="arc_easy", help="comma-separated log-likelihood tasks")
+    bench.add_argument("--limit", type=int, default=100, help="items per task (mmlu: per subject)")
+    bench.add_argument("--fewshot", type=int, default=None, help="shots for every task (default: the paper's)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed runs of each scorer (median)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed runs of each scorer first")
+    bench.add_argument("--threads", type=int, default=2, help="torch intra-op threads, fixed for both")
+    bench.set_defaults(func=cmd_evalbench)
     return parser
 
 

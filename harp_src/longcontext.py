@@ -154,13 +154,13 @@ def long_context_eval(model, tok, items: list[dict], max_new_tokens: int = 12, p
     """Greedy answers and exact-match scores for synthetic items; items longer than the model's context are skipped.
 
     Returns:
-        DataFrame: task, length, depth, n_tokens, answer, output, correct, seconds.
+        DataFrame: item (its index in `items`), task, length, depth, n_tokens, answer, output, correct, seconds.
     """
     limit = getattr(text_config(model.config), "max_position_embeddings", None) or 10**9
     device = next(model.parameters()).device
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rows = []
-    for item in tqdm(items, desc="long context", disable=not progress):
+    for k, item in enumerate(tqdm(items, desc="long context", disable=not progress)):
         if item["n_tokens"] + max_new_tokens > limit:
             print(f"skipped a {item['task']} item of {item['n_tokens']} tokens: the model's context is {limit}")
             continue
@@ -170,6 +170,7 @@ def long_context_eval(model, tok, items: list[dict], max_new_tokens: int = 12, p
                              do_sample=False, pad_token_id=pad)
         text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         correct = is_correct(item["task"], text, item["answers"])
-        rows.append(dict(task=item["task"], length=item["length"], depth=item["depth"], n_tokens=item["n_tokens"],
-                         answer=item["answers"][0], output=text, correct=correct, seconds=time.perf_counter() - start))
+        rows.append(dict(item=k, task=item["task"], length=item["length"], depth=item["depth"],
+                         n_tokens=item["n_tokens"], answer=item["answers"][0], output=text, correct=correct,
+                         seconds=time.perf_counter() - start))
     return pd.DataFrame(rows)

@@ -364,9 +364,22 @@ class Adapter:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head and (Gemma-2) logit soft-capping of the last layer's output h [B, T, d], as the
         model's own forward does. Returns [B, T, vocab]."""
-        logits = self.model.get_output_embeddings()(self.final_norm(h))
+        return self.head_logits(self.final_norm(h))
+
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """LM head and (Gemma-2) logit soft-capping of final-normed states [..., d] (the decoder's output)."""
+        logits = self.model.get_output_embeddings()(normed)
         cap = getattr(self.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The attention window of the model's sliding-window layers, or None when every layer attends globally."""
+        cfg = self.config
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None:
+            return cfg.sliding_window if "sliding_attention" in layer_types else None
+        return getattr(cfg, "sliding_window", None)
 
 
 def repeat_heads(v: torch.Tensor, head_dim: int, n_rep: int) -> torch.Tensor:

@@ -185,3 +185,52 @@ def kv_and_memory(df: pd.DataFrame, title: str):
         ax.set(title=name, xlabel="context length (tokens, log)", ylabel=ylabel)
     fig.suptitle(title, y=1.02)
     return fig
+
+
+def _interval_panel(data: pd.DataFrame, x: str, hue: str, order: list, hues: list, colors: dict, value: str,
+                    low: str, high: str, ax) -> None:
+    width = 0.8 / max(len(hues), 1)
+    for k, h in enumerate(hues):
+        part = data[data[hue] == h].set_index(x).reindex(order).dropna(subset=[value])
+        pos = [order.index(v) - 0.4 + width * (k + 0.5) for v in part.index]
+        err = [part[value] - part[low], part[high] - part[value]]
+        ax.errorbar(pos, part[value], yerr=err, fmt="o", ms=4, capsize=3, color=colors[h], label=str(h))
+    ax.set_xticks(range(len(order)), [str(v) for v in order], rotation=30, ha="right")
+
+
+def intervals(df: pd.DataFrame, x: str, hue: str, title: str, xlabel: str, ylabel: str, col: str | None = None,
+              row: str | None = None, value: str = "value", low: str = "ci_low", high: str = "ci_high",
+              zero_line: bool = False, ylim: tuple[float, float] | None = None):
+    """Point estimates with their confidence intervals as error bars, one marker per `hue` beside each other,
+    one panel per `col` (and `row`); `zero_line` draws y = 0 (differences: an interval crossing it decides nothing)."""
+    set_theme()
+    order = list(dict.fromkeys(df[x]))
+    hues = list(dict.fromkeys(df[hue]))
+    colors = dict(zip(hues, sns.color_palette(), strict=False))
+    grid = sns.FacetGrid(df, col=col, row=row, height=3.6, aspect=1.4, sharey=False, sharex=False)
+    for ax, (_, part) in zip(grid.axes.flat, _facets(df, row, col), strict=True):
+        _interval_panel(part, x, hue, order, hues, colors, value, low, high, ax)
+        if zero_line:
+            ax.axhline(0, color="grey", lw=0.8)
+        if ylim:
+            ax.set_ylim(*ylim)
+    grid.set_axis_labels(xlabel, ylabel)
+    grid.axes.flat[0].legend(fontsize=8)
+    grid.figure.suptitle(title, y=1.04)
+    return grid.figure
+
+
+def _facets(df: pd.DataFrame, row: str | None, col: str | None) -> list:
+    """(key, subset) per panel in FacetGrid's row-major order (values in order of appearance)."""
+    rows = list(dict.fromkeys(df[row])) if row else [None]
+    cols = list(dict.fromkeys(df[col])) if col else [None]
+    out = []
+    for r in rows:
+        for c in cols:
+            mask = pd.Series(True, index=df.index)
+            if row:
+                mask &= df[row] == r
+            if col:
+                mask &= df[col] == c
+            out.append(((r, c), df[mask]))
+    return out

@@ -7,12 +7,15 @@ import json
 import os
 import platform
 import subprocess
+import types
+import typing
 from pathlib import Path
 
+import pandas as pd
 import torch
 import transformers
 
-from .files import write_json
+from .files import atomic_path, write_json
 from .models import ROOT
 
 PROFILES = ("quick", "full")
@@ -65,13 +68,20 @@ def record_metrics(name: str, metrics: dict, out_dir: str | Path, info: dict, mo
     return path
 
 
+def save_table(table: pd.DataFrame, name: str, out_dir: str | Path) -> Path:
+    """Write out_dir/name.csv atomically, numbers as save_figure writes them (a table that has no figure)."""
+    path = Path(out_dir) / f"{name}.csv"
+    with atomic_path(path) as tmp:
+        table.to_csv(tmp, index=False, float_format="%.6g")
+    return path
+
+
 def read_metrics(name: str, out_dir: str | Path) -> dict:
     return json.loads((Path(out_dir) / f"{name}_metrics.json").read_text())["metrics"]
 
 
 # ---------------------------------------------------------------------------------------------- notebook parameters
 NOTEBOOKS = ROOT / "notebooks"
-_TYPE_NAMES = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list, "None": type(None)}
 
 
 def parameters_source(notebook: str) -> str:
@@ -87,16 +97,18 @@ def parameters_source(notebook: str) -> str:
     return "".join(source) if isinstance(source, list) else source
 
 
-def _kinds_of_annotation(node: ast.expr) -> tuple:
-    """`int | dict | None`, `list[str]` -> accepted kinds; a kind is a type or ("list", element kinds)."""
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-        return _kinds_of_annotation(node.left) + _kinds_of_annotation(node.right)
-    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "list":
-        return (("list", _kinds_of_annotation(node.slice)),)
-    name = node.id if isinstance(node, ast.Name) else repr(node.value) if isinstance(node, ast.Constant) else None
-    if name not in _TYPE_NAMES:
-        raise ValueError(f"parameter annotation {ast.unparse(node)!r}: use {sorted(_TYPE_NAMES)}, | and list[...]")
-    return (_TYPE_NAMES[name],)
+def kinds_of_type(tp) -> tuple:
+    """A type expression (`int`, `int | dict | None`, `list[str]`) -> accepted kinds; a kind is a type or
+    ("list", element kinds)."""
+    if isinstance(tp, types.UnionType):
+        return tuple(k for arg in typing.get_args(tp) for k in kinds_of_type(arg))
+    if typing.get_origin(tp) is list:
+        return (("list", kinds_of_type(typing.get_args(tp)[0])),)
+    if tp is None:
+        return (type(None),)
+    if isinstance(tp, type):
+        return (tp,)
+    raise TypeError(f"{tp!r} is not a type: use e.g. int, int | dict | None or list[str]")
 
 
 def _kinds_of_default(value) -> tuple:
@@ -111,16 +123,17 @@ def _kinds_of_default(value) -> tuple:
     return (type(value),)
 
 
-def parameter_spec(source: str) -> dict[str, tuple]:
-    """{NAME: accepted kinds} for each assignment of a parameters cell: its annotation where it has one
-    (`LIMIT: int | dict = 5`), else the type of its default."""
+def parameter_spec(source: str, **types_: object) -> dict[str, tuple]:
+    """{NAME: accepted kinds} for each assignment of a parameters cell: the type of its default, or the type given
+    for it in `types_` where the default alone does not say (`LIMIT=int | dict`, `EXTRA_CSV=list[str]`)."""
     spec = {}
     for stmt in ast.parse(source).body:
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            spec[stmt.target.id] = _kinds_of_annotation(stmt.annotation)
-        elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
             spec[stmt.targets[0].id] = _kinds_of_default(ast.literal_eval(stmt.value))
-    return spec
+    unknown = set(types_) - set(spec)
+    if unknown:
+        raise ValueError(f"types given for {sorted(unknown)}, which the parameters cell does not set")
+    return spec | {name: kinds_of_type(tp) for name, tp in types_.items()}
 
 
 def _matches(value, kind) -> bool:
@@ -148,12 +161,14 @@ def check_values(values: dict, spec: dict[str, tuple]) -> None:
         raise ValueError(f"PROFILE={values['PROFILE']!r}: choose one of {PROFILES}")
 
 
-def check_parameters(notebook: str, namespace: dict) -> None:
+def check_parameters(notebook: str, namespace: dict, **types_: object) -> None:
     """Fail a notebook's first code cell with one clear message when a (papermill) parameter has the wrong type.
 
     Args:
-        notebook: the notebook's name in notebooks/ (e.g. "01_over_smoothing"); its parameters cell gives the types.
+        notebook: the notebook's name in notebooks/ (e.g. "01_over_smoothing"); its parameters cell's defaults give
+            the expected types.
         namespace: the notebook's `globals()`, holding the parameters' current values.
+        types_: the type of a parameter whose default does not say it all, e.g. `LIMIT=int | dict`.
     """
-    spec = parameter_spec(parameters_source(notebook))
+    spec = parameter_spec(parameters_source(notebook), **types_)
     check_values({name: namespace[name] for name in spec if name in namespace}, spec)

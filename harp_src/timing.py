@@ -16,7 +16,7 @@ import platform
 import statistics
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import pandas as pd
 import psutil
@@ -41,6 +41,29 @@ def num_threads(threads: int | None):
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def interleaved(procedures: dict[str, Callable[[], object]], repeats: int = 3, warmup: int = 1,
+                threads: int | None = None) -> tuple[dict[str, list[float]], int]:
+    """Wall time of each procedure, `repeats` times, interleaved so that drifts of the machine hit all alike: after
+    `warmup` untimed runs of each, the order flips every repeat (A B, B A, A B, …), at a fixed thread count.
+
+    Returns:
+        ({name: [seconds per repeat]}, the thread count used).
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError("need repeats >= 1 and warmup >= 0")
+    names = list(procedures)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    with num_threads(threads) as n_threads:
+        for name in names * warmup:
+            procedures[name]()
+        for r in range(repeats):
+            for name in names if r % 2 == 0 else names[::-1]:
+                start = time.perf_counter()
+                procedures[name]()
+                samples[name].append(time.perf_counter() - start)
+    return samples, n_threads
 
 
 def _sync(device: torch.device) -> None:

