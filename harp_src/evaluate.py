@@ -84,9 +84,9 @@ def greedy_text(model, tok, prompt: str, max_new_tokens: int = 30) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- fidelity
-FIDELITY_METRICS = {"kl": "mean KL(reference ‖ model) per token (nats)",
-                    "top1_agreement": "share of positions where both models predict the same next token",
-                    "delta_nll": "mean NLL(model) − NLL(reference) per token (nats)"}
+FIDELITY_METRICS = {"kl": "KL(reference ‖ model) per token",  # what each metric is (nats), for tables and figures
+                    "top1_agreement": "top-1 agreement with reference",
+                    "delta_nll": "NLL(model) − NLL(reference) per token"}
 
 
 def _vocab_size(model) -> int:

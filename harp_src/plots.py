@@ -195,19 +195,24 @@ def _interval_panel(data: pd.DataFrame, x: str, hue: str, order: list, hues: lis
         pos = [order.index(v) - 0.4 + width * (k + 0.5) for v in part.index]
         err = [part[value] - part[low], part[high] - part[value]]
         ax.errorbar(pos, part[value], yerr=err, fmt="o", ms=4, capsize=3, color=colors[h], label=str(h))
-    ax.set_xticks(range(len(order)), [str(v) for v in order], rotation=30, ha="right")
+    labels = [str(v) for v in order]
+    if max(len(label) for label in labels) > 6:  # long names: slanted, each ending at its tick
+        ax.set_xticks(range(len(order)), labels, rotation=30, ha="right", rotation_mode="anchor")
+    else:
+        ax.set_xticks(range(len(order)), labels)
 
 
 def intervals(df: pd.DataFrame, x: str, hue: str, title: str, xlabel: str, ylabel: str, col: str | None = None,
               row: str | None = None, value: str = "value", low: str = "ci_low", high: str = "ci_high",
-              zero_line: bool = False, ylim: tuple[float, float] | None = None):
+              zero_line: bool = False, ylim: tuple[float, float] | None = None, aspect: float = 1.4):
     """Point estimates with their confidence intervals as error bars, one marker per `hue` beside each other,
     one panel per `col` (and `row`); `zero_line` draws y = 0 (differences: an interval crossing it decides nothing)."""
     set_theme()
     order = list(dict.fromkeys(df[x]))
     hues = list(dict.fromkeys(df[hue]))
     colors = dict(zip(hues, sns.color_palette(), strict=False))
-    grid = sns.FacetGrid(df, col=col, row=row, height=3.6, aspect=1.4, sharey=False, sharex=False)
+    grid = sns.FacetGrid(df, col=col, row=row, height=3.6, aspect=aspect, sharey=False, sharex=False,
+                         margin_titles=bool(row and col))
     for ax, (_, part) in zip(grid.axes.flat, _facets(df, row, col), strict=True):
         _interval_panel(part, x, hue, order, hues, colors, value, low, high, ax)
         if zero_line:
@@ -215,8 +220,10 @@ def intervals(df: pd.DataFrame, x: str, hue: str, title: str, xlabel: str, ylabe
         if ylim:
             ax.set_ylim(*ylim)
     grid.set_axis_labels(xlabel, ylabel)
+    grid.set_titles(row_template="{row_name}", col_template="{col_name}")
     grid.axes.flat[0].legend(fontsize=8)
-    grid.figure.suptitle(title, y=1.04)
+    grid.figure.suptitle(title, y=1.02)
+    grid.tight_layout()
     return grid.figure
 
 

@@ -93,20 +93,12 @@ def plan_blocks(requests: list[Request], min_shared: int = MIN_SHARED) -> list[_
     return blocks
 
 
-def _select_rows(cache, index: list[int]):
+def _select_rows(cache, index: list[int], device: torch.device):
     """A copy of `cache` holding rows `index` (repeats allowed); the original is left as it is."""
     clone = copy.copy(cache)
     clone.layers = [copy.copy(layer) for layer in cache.layers]
-    clone.batch_select_indices(torch.tensor(index, device=_device(cache)))
+    clone.batch_select_indices(torch.tensor(index, device=device))
     return clone
-
-
-def _device(cache) -> torch.device:
-    for layer in cache.layers:
-        keys = getattr(layer, "keys", None)
-        if isinstance(keys, torch.Tensor) and keys.numel():
-            return keys.device
-    return torch.device("cpu")
 
 
 def _right_pad(rows: list[list[int]], device) -> torch.Tensor:
@@ -162,7 +154,8 @@ class _Scorer:
     def run_batch(self, shared: int, shared_cache, groups: list[_Group]) -> None:
         """Context remainders of `groups` (one row each), then every continuation on a copy of its row's cache."""
         rests = [g.context[shared:] for g in groups]
-        cache = _select_rows(shared_cache, [0] * len(groups)) if shared_cache is not None else _new_cache(self.model)
+        cache = (_select_rows(shared_cache, [0] * len(groups), self.device) if shared_cache is not None
+                 else _new_cache(self.model))
         hidden = self.forward(_right_pad(rests, self.device), cache)
         last = torch.stack([hidden[k, len(r) - 1] for k, r in enumerate(rests)])
         first = self.log_probs(last)  # [groups, vocab]: predicts each continuation's first token
@@ -203,7 +196,7 @@ class _Scorer:
         conts = [self.requests[i][1] for _, i in chunk]
         ids = _right_pad([c[:-1] for c in conts], self.device)
         steps = ids.shape[1]
-        rows_cache = _select_rows(cache, [k for k, _ in chunk])
+        rows_cache = _select_rows(cache, [k for k, _ in chunk], self.device)
         mask = positions = None
         if len(rests) > 1:  # rows came from contexts of different lengths: hide each row's padding
             mask = torch.zeros(len(chunk), shared + width + steps, dtype=torch.long, device=self.device)
