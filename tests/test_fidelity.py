@@ -51,3 +51,22 @@ def test_bad_input():
         fidelity(dense, other, windows(), progress=False)
     with pytest.raises(ValueError, match="context"):
         fidelity(dense, dense, torch.zeros(1, 300, dtype=torch.long), progress=False)
+
+
+class _Vocab:
+    """The one tokenizer method `fidelity` compares."""
+
+    def __init__(self, vocab: dict):
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict:
+        return self.vocab
+
+
+def test_different_tokenizers_are_refused():
+    model = make_tiny("llama")
+    same = ({"a": 0, "b": 1}, {"a": 0, "b": 1})
+    fidelity(model, model, windows(), tokenizers=tuple(_Vocab(v) for v in same), progress=False)
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        fidelity(model, model, windows(), tokenizers=(_Vocab({"a": 0, "b": 1}), _Vocab({"a": 1, "b": 0})),
+                 progress=False)
