@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .harp import is_pruned
 from .models import get_adapter
+from .slicing import attention_is_dense
 
 
 def mean_pairwise_cosine(h: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ class _Collector:
             self.handles.append(layer.register_forward_pre_hook(self._enter(i), with_kwargs=True))
             self.handles.append(layer.register_forward_hook(self._leave(i), with_kwargs=True))
             attn = self.ad.attention(i)
-            if not is_pruned(attn):
+            if attention_is_dense(self.ad, i):  # HARP-bypassed, dropped or sliced attention has no A to compare
                 self.handles.append(attn.register_forward_hook(self._attn(i, entropy), with_kwargs=True))
         self.handles.append(self.ad.final_norm.register_forward_pre_hook(self._final))
         self.x_in: dict[int, torch.Tensor] = {}

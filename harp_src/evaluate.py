@@ -128,6 +128,21 @@ def _window_sums(reference, model, ids: torch.Tensor, chunk: int) -> torch.Tenso
     return sums
 
 
+def fidelity_windows(reference, model, windows: torch.Tensor, batch_size: int = 1, chunk: int = 128,
+                     tokenizers: tuple | None = None, progress: bool = True) -> pd.DataFrame:
+    """Per window: the mean over its predicted tokens of KL(reference ‖ model), top-1 agreement, Δ NLL (model −
+    reference) and both NLLs. Same arguments as `fidelity`; for paired comparisons of two pruned models."""
+    _check_pair(reference, model, windows, tokenizers)
+    per_window = []
+    for start in tqdm(range(0, len(windows), batch_size), desc="fidelity", leave=False, disable=not progress):
+        per_window.append(_window_sums(reference, model, windows[start : start + batch_size], chunk))
+    sums = torch.cat(per_window) / (windows.shape[1] - 1)  # per-window means; equal lengths, so the mean is per token
+    kl, agree, nll_ref, nll = sums.unbind(1)
+    return pd.DataFrame({"window": range(len(windows)), "kl": kl.numpy(), "top1_agreement": agree.numpy(),
+                         "delta_nll": (nll - nll_ref).numpy(), "nll_reference": nll_ref.numpy(), "nll": nll.numpy(),
+                         "n_tokens": windows.shape[1] - 1})
+
+
 def fidelity(reference, model, windows: torch.Tensor, batch_size: int = 1, chunk: int = 128, seed: int = 0,
              tokenizers: tuple | None = None, progress: bool = True) -> pd.DataFrame:
     """How closely `model` (e.g. HARP-pruned) follows `reference` (its dense model), token by token, on `windows`.
@@ -141,17 +156,17 @@ def fidelity(reference, model, windows: torch.Tensor, batch_size: int = 1, chunk
         DataFrame, one row per metric of FIDELITY_METRICS: metric, value (mean over all predicted tokens), ci_low,
         ci_high (95 % bootstrap interval over windows), n_tokens, n_windows, seed.
     """
-    _check_pair(reference, model, windows, tokenizers)
-    per_window = []
-    for start in tqdm(range(0, len(windows), batch_size), desc="fidelity", leave=False, disable=not progress):
-        per_window.append(_window_sums(reference, model, windows[start : start + batch_size], chunk))
-    sums = torch.cat(per_window) / (windows.shape[1] - 1)  # per-window means; equal lengths, so the mean is per token
-    kl, agree, nll_ref, nll = sums.unbind(1)
+    per_window = fidelity_windows(reference, model, windows, batch_size, chunk, tokenizers, progress)
+    return fidelity_summary(per_window, seed)
+
+
+def fidelity_summary(per_window: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """`fidelity`'s rows from `fidelity_windows`' per-window values: mean and bootstrap interval over windows."""
     rows = []
-    for metric, values in (("kl", kl), ("top1_agreement", agree), ("delta_nll", nll - nll_ref)):
-        value, low, high = mean_ci(values.numpy(), seed)
+    for metric in FIDELITY_METRICS:
+        value, low, high = mean_ci(per_window[metric].to_numpy(dtype=np.float64), seed)
         rows.append(dict(metric=metric, value=value, ci_low=low, ci_high=high,
-                         n_tokens=len(windows) * (windows.shape[1] - 1), n_windows=len(windows), seed=seed))
+                         n_tokens=int(per_window.n_tokens.sum()), n_windows=len(per_window), seed=seed))
     return pd.DataFrame(rows)
 
 
@@ -405,3 +420,18 @@ def run_tasks(model, tok, tasks: Iterable[str], limit: int | dict | None = None,
 
 if __name__ == "__main__":
     write_json(ROOT / "data" / "tasks_manifest.json", task_manifest())
+
+
+def task_scores(items: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """Per model, method and task: the primary metric (mean over items) with its bootstrap interval and n."""
+    rows = []
+    for (model, method, task), part in items.groupby(["model", "method", "task"], sort=False):
+        value, low, high = mean_ci(part.correct.to_numpy(), seed)
+        rows.append(dict(model=model, method=method, task=task, metric="/".join(PRIMARY[task]), value=value,
+                         ci_low=low, ci_high=high, n=len(part)))
+    return pd.DataFrame(rows)
+
+
+def limits_for(limit, model: str):
+    """A model's item limit: `limit` itself, or its entry when `limit` is keyed by model name."""
+    return limit[model] if isinstance(limit, dict) and model in limit else limit

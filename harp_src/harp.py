@@ -196,7 +196,7 @@ def _prune_layer(adapter: Adapter, i: int, alpha: float, fold: bool) -> None:
     adapter.set_attention(i, bypass)
 
 
-def _mark_kv_free(model: nn.Module, layers: list[int]) -> None:
+def mark_kv_free(model: nn.Module, layers: list[int]) -> None:
     """Give pruned layers a no-storage cache slot.
 
     transformers builds each cache layer from the config; a layer whose `kv_sharing_modes` entry is "reuse"
@@ -238,7 +238,7 @@ def apply_harp(
     # all checks passed: from here on the model changes
     for i in layers:
         _prune_layer(adapter, i, alphas[i], fold)
-    _mark_kv_free(model, layers)
+    mark_kv_free(model, layers)
     plan = HarpPlan(fingerprint(model.config), alphas, fold, dict(meta or {}))
     previous = getattr(model, "harp_plan", None)
     model.harp_plan = plan if previous is None else HarpPlan(

@@ -318,6 +318,34 @@ class Adapter:
         if self.spec.sandwich:
             layer.post_attention_layernorm = nn.Identity()
 
+    def mlp(self, i: int) -> nn.Module:
+        """Layer i's MLP (or what replaced it); its projections are `gate_proj`, `up_proj`, `down_proj`."""
+        return self.layers[i].mlp
+
+    def set_mlp(self, i: int, module: nn.Module) -> None:
+        """Put `module` in place of layer i's MLP; it is called as the MLP was, on the normed hidden states."""
+        self.layers[i].mlp = module
+
+    def mlp_norms(self, i: int) -> list[nn.Module]:
+        """The norms that serve only layer i's MLP: its input norm (and Gemma's output norm)."""
+        layer = self.layers[i]
+        if self.spec.sandwich:
+            return [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+        return [layer.post_attention_layernorm]  # Llama-style naming: the norm after attention feeds the MLP
+
+    def mlp_out_norm(self, i: int) -> nn.Module | None:
+        """The norm applied to the MLP output before the residual add (Gemma's sandwich norm)."""
+        return self.layers[i].post_feedforward_layernorm if self.spec.sandwich else None
+
+    def remove_mlp_norms(self, i: int) -> None:
+        """Replace `mlp_norms(i)` by identities (for an MLP that reads nothing: dropped or constant)."""
+        layer = self.layers[i]
+        if self.spec.sandwich:
+            layer.pre_feedforward_layernorm = nn.Identity()
+            layer.post_feedforward_layernorm = nn.Identity()
+        else:
+            layer.post_attention_layernorm = nn.Identity()
+
     def branch_module(self, i: int) -> nn.Module:
         """The module whose output is what layer i's attention adds to the residual stream."""
         return self.attn_out_norm(i) if self.spec.sandwich else self.attention(i)

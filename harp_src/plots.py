@@ -204,9 +204,11 @@ def _interval_panel(data: pd.DataFrame, x: str, hue: str, order: list, hues: lis
 
 def intervals(df: pd.DataFrame, x: str, hue: str, title: str, xlabel: str, ylabel: str, col: str | None = None,
               row: str | None = None, value: str = "value", low: str = "ci_low", high: str = "ci_high",
-              zero_line: bool = False, ylim: tuple[float, float] | None = None, aspect: float = 1.4):
+              zero_line: bool = False, ylim: tuple[float, float] | None = None, aspect: float = 1.4,
+              logy: bool = False):
     """Point estimates with their confidence intervals as error bars, one marker per `hue` beside each other,
-    one panel per `col` (and `row`); `zero_line` draws y = 0 (differences: an interval crossing it decides nothing)."""
+    one panel per `col` (and `row`); `zero_line` draws y = 0 (differences: an interval crossing it decides nothing);
+    `logy` for positive values spanning orders of magnitude."""
     set_theme()
     order = list(dict.fromkeys(df[x]))
     hues = list(dict.fromkeys(df[hue]))
@@ -219,6 +221,8 @@ def intervals(df: pd.DataFrame, x: str, hue: str, title: str, xlabel: str, ylabe
             ax.axhline(0, color="grey", lw=0.8)
         if ylim:
             ax.set_ylim(*ylim)
+        if logy:
+            ax.set_yscale("log")
     grid.set_axis_labels(xlabel, ylabel)
     grid.set_titles(row_template="{row_name}", col_template="{col_name}")
     grid.axes.flat[0].legend(fontsize=8)

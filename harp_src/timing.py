@@ -354,3 +354,34 @@ def flop_bounds(config, alphas: dict[int, float], seq_lens: Iterable[int], fold:
                           "flop_bound": speedup_bound(config, t, alphas, fold, head_tokens=1),
                           "decode_flop_bound": speedup_bound(config, 1, alphas, fold, head_tokens=1, past=t)}
                          for t in seq_lens])
+
+
+def latency_pair(reference, model, seq_len: int, repeats: int = 3, warmup: int = 1, decode_steps: int = 8,
+                 threads: int | None = None, seed: int = 0) -> dict:
+    """Prefill and per-token decode latency of `model` and `reference` (its dense model) at one prompt length,
+    interleaved (`interleaved`: warm-up first, the order flipping every repeat, fixed threads, medians).
+
+    Works for any pruned model (baselines as well as HARP). Decoding runs `decode_steps` greedy steps per repeat on
+    top of a cache from one untimed prefill. Returns medians in seconds and their ratios (reference / model).
+    """
+    ids = random_prompt(text_config(reference.config).vocab_size, seq_len, seed, _device(reference))
+    models = {"reference": reference, "model": model}
+    prefills, n_threads = interleaved({n: (lambda m=m: prefill(m, ids)) for n, m in models.items()}, repeats,
+                                      warmup, threads)
+    state = {}
+    for name, m in models.items():
+        _, out = prefill(m, ids)
+        state[name] = [out.cache, out.logits[:, -1:].argmax(-1)]
+
+    def decode(name: str) -> None:
+        for _ in range(decode_steps):
+            _, state[name][1] = decode_step(models[name], state[name][1], state[name][0])
+
+    decodes, _ = interleaved({n: (lambda n=n: decode(n)) for n in models}, repeats, warmup, threads)
+    state.clear()
+    _trim_heap()
+    p = {n: statistics.median(v) for n, v in prefills.items()}
+    d = {n: statistics.median(v) / decode_steps for n, v in decodes.items()}
+    return {"seq_len": seq_len, "threads": n_threads, "prefill_reference_s": p["reference"], "prefill_s": p["model"],
+            "prefill_speedup": p["reference"] / p["model"], "decode_reference_ms": 1e3 * d["reference"],
+            "decode_ms": 1e3 * d["model"], "decode_speedup": d["reference"] / d["model"]}

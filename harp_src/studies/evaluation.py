@@ -13,7 +13,7 @@ import time
 import pandas as pd
 
 from ..data import ppl_windows
-from ..evaluate import CLOZE, DISCRIMINATIVE, GENERATION, PRIMARY, fidelity, run_tasks
+from ..evaluate import CLOZE, DISCRIMINATIVE, GENERATION, fidelity, limits_for, run_tasks, task_scores
 from ..harp import apply_harp, parse_layers, quarter_depth
 from ..longcontext import long_context_eval, multidoc_items, passkey_items
 from ..models import fingerprint, load_model, model_info
@@ -26,11 +26,6 @@ MAIN = (DENSE, SEARCHED)  # scored on every item of LIMIT; the others on the fir
 LONG_CONTEXT_METHODS = (DENSE, SEARCHED)
 FIDELITY_CORPORA = ("enwiki", "lee")  # held-out test splits: in-domain and out-of-domain text
 AVERAGE = "discriminative avg"
-
-
-def limits_for(limit, model: str):
-    """A model's item limit: `limit` itself, or its entry when `limit` is keyed by model name."""
-    return limit[model] if isinstance(limit, dict) and model in limit else limit
 
 
 def method_alphas(model, tok, n_layers: int, n_calib: int, seq_len: int, seed: int) -> dict[str, dict | None]:
@@ -127,16 +122,6 @@ def uninformative_tasks(items: pd.DataFrame) -> list[str]:
     """Generation tasks on which every method of every model scores 0: they stay in the tables, not in averages."""
     gen = items[items.task.isin(GENERATION)]
     return sorted(t for t, part in gen.groupby("task") if (part.correct == 0).all())
-
-
-def task_scores(items: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
-    """Per model, method and task: the primary metric (mean over items) with its bootstrap interval and n."""
-    rows = []
-    for (model, method, task), part in items.groupby(["model", "method", "task"], sort=False):
-        value, low, high = mean_ci(part.correct.to_numpy(), seed)
-        rows.append(dict(model=model, method=method, task=task, metric="/".join(PRIMARY[task]), value=value,
-                         ci_low=low, ci_high=high, n=len(part)))
-    return pd.DataFrame(rows)
 
 
 def task_differences(items: pd.DataFrame, seed: int = 0) -> pd.DataFrame:

@@ -1,0 +1,284 @@
+"""Notebook 06: at HARP's parameter budget, is HARP better than the structured-pruning baselines, and on what?
+
+For each model: HARP (top N = depth/4 layers, α searched on enwiki-train) fixes two budgets (`baselines.budgets`):
+"harp", what HARP removes, and "release", all attention weights of those layers, which the authors' release scripts
+fill with FLAP on MLP channels (our row "HARP + FLAP"). Every baseline variant is pruned to each budget on the same
+calibration windows, then measured against dense and against HARP: token-level fidelity and perplexity on held-out
+enwiki and Lee windows (paired over windows), lm-eval tasks (paired over items) for dense, HARP and the best variant of
+each method, and prefill / decode latency interleaved with dense (issue 13).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from ..baselines import METHODS, SCOPES, budgets, prune
+from ..data import ppl_windows
+from ..evaluate import FIDELITY_METRICS, fidelity_summary, fidelity_windows, limits_for, run_tasks, task_scores
+from ..harp import apply_harp, parse_layers, quarter_depth
+from ..models import fingerprint, load_model, model_info
+from ..search import search_alphas
+from ..stats import mean_ci, paired_table
+from ..timing import latency_pair
+
+DENSE, HARP, HARP_FLAP = "dense", "HARP", "HARP + FLAP"
+BUDGETS = ("harp", "release")
+REFERENCE = {"harp": HARP, "release": HARP_FLAP}  # what each budget's baselines are paired against
+CORPORA = ("enwiki", "lee")  # held-out test splits: in-domain and out-of-domain text
+
+
+def variants(specs: list[str]) -> list[tuple[str, str]]:
+    """(method, scope) pairs from specs "method" (all its scopes) or "method:scope"; ["all"] means every one."""
+    if list(specs) == ["all"]:
+        specs = list(METHODS)
+    out = []
+    for spec in specs:
+        method, _, scope = spec.partition(":")
+        if method not in SCOPES:
+            raise ValueError(f"unknown method '{method}' in VARIANTS; choose from {', '.join(METHODS)}")
+        scopes = [scope] if scope else list(SCOPES[method])
+        bad = [s for s in scopes if s not in SCOPES[method]]
+        if bad:
+            raise ValueError(f"method '{method}' has no scope '{bad[0]}'; valid: {', '.join(SCOPES[method])}")
+        out += [(method, s) for s in scopes]
+    return out
+
+
+def label(method: str, scope: str) -> str:
+    """A variant's name in tables: the method, plus the scope where the method has more than one."""
+    return method if len(SCOPES[method]) == 1 else f"{method} [{scope}]"
+
+
+def _harp_model(dense, alphas: dict[int, float]):
+    model = copy.deepcopy(dense)
+    apply_harp(model, sorted(alphas), alphas, meta={"method": "searched"})
+    return model
+
+
+def _build(dense, recipe: dict, calib):
+    """A pruned copy of `dense` from a recipe: HARP (α's), HARP + FLAP, or a baseline at a budget."""
+    if recipe["kind"] == "dense":
+        return dense, None
+    if recipe["kind"] == "harp":
+        model = _harp_model(dense, recipe["alphas"])
+        if recipe.get("flap_params"):
+            return model, prune(model, "flap", recipe["flap_params"], calib, "mlp", progress=False)
+        return model, None
+    model = copy.deepcopy(dense)
+    return model, prune(model, recipe["method"], recipe["budget_params"], calib, recipe["scope"], progress=False)
+
+
+def _recipes(alphas: dict[int, float], budget: dict[str, int], chosen: list[tuple[str, str]]) -> list[dict]:
+    out = [dict(label=DENSE, method=DENSE, scope="", budget="", kind="dense"),
+           dict(label=HARP, method="harp", scope="attention", budget="harp", kind="harp", alphas=alphas),
+           dict(label=HARP_FLAP, method="harp+flap", scope="attention+mlp", budget="release", kind="harp",
+                alphas=alphas, flap_params=budget["release"] - budget["harp"])]
+    for b in BUDGETS:
+        out += [dict(label=label(m, s), method=m, scope=s, budget=b, kind="baseline", budget_params=budget[b])
+                for m, s in chosen]
+    return out
+
+
+def _removed(dense_params: int, model, record) -> tuple[int, int]:
+    """(parameters really removed, weights zeroed)."""
+    after = sum(p.numel() for p in model.parameters())
+    return dense_params - after, 0 if record is None else record.weights_zeroed
+
+
+def _measure(dense, model, windows: dict, spec: dict, timed: bool) -> tuple[list[pd.DataFrame], dict]:
+    per_window = [fidelity_windows(dense, model, w, progress=False).assign(corpus=c) for c, w in windows.items()]
+    latency = latency_pair(dense, model, spec["latency_len"], spec["latency_repeats"], 1, 8, spec["threads"],
+                           spec["seed"]) if timed and model is not dense else {}
+    return per_window, latency
+
+
+def _best_by_method(fid: pd.DataFrame, rows: list[dict]) -> list[str]:
+    """Per baseline method, the variant (scope) with the lowest mean enwiki KL to dense at the "harp" budget."""
+    kl = fid[(fid.corpus == "enwiki")].groupby("label").kl.mean()
+    best = {}
+    for r in rows:
+        if r["kind"] == "baseline" and r["budget"] == "harp":
+            if r["method"] not in best or kl[r["label"]] < kl[best[r["method"]]]:
+                best[r["method"]] = r["label"]
+    return list(best.values())
+
+
+def _model_part(name: str, spec: dict) -> dict:
+    start = time.perf_counter()
+    dense, tok = load_model(name, dtype=spec["dtype"], device=spec["device"])
+    L = fingerprint(dense.config)["num_layers"]
+    layers = parse_layers(f"top:{spec['n_layers'] or quarter_depth(L)}", L)
+    calib = ppl_windows(tok, "enwiki", "train", spec["n_calib"], spec["seq_len"], spec["seed"])
+    windows = {c: ppl_windows(tok, c, "test", spec["n_eval"], spec["seq_len"], spec["seed"]) for c in CORPORA}
+    alphas = search_alphas(dense, calib, layers)
+    budget = budgets(dense, _harp_model(dense, alphas).harp_plan)
+    dense_params = sum(p.numel() for p in dense.parameters())
+    rows, fids, records = [], [], {}
+    for recipe in tqdm(_recipes(alphas, budget, spec["variants"]), desc=f"{name}: variants"):
+        model, record = _build(dense, recipe, calib)
+        removed, zeroed = _removed(dense_params, model, record)
+        per_window, latency = _measure(dense, model, windows, spec, recipe["budget"] in spec["latency_budgets"])
+        key = (recipe["label"], recipe["budget"])
+        fids += [f.assign(label=recipe["label"], budget=recipe["budget"]) for f in per_window]
+        rows.append({**{k: recipe[k] for k in ("label", "method", "scope", "budget", "kind")},
+                     "budget_params": budget.get(recipe["budget"], 0), "params_removed": removed,
+                     "weights_zeroed": zeroed, **latency})
+        records[key] = recipe
+        if model is not dense:
+            del model
+    fid = pd.concat(fids, ignore_index=True).assign(model=name)
+    on_tasks = [DENSE, HARP, *_best_by_method(fid, rows)] if spec["tasks"] else []
+    items = []
+    for lab in tqdm(on_tasks, desc=f"{name}: tasks"):
+        recipe = records[(lab, "" if lab == DENSE else "harp")]
+        model, _ = _build(dense, recipe, calib)
+        found: list = []
+        run_tasks(model, tok, spec["tasks"], limits_for(spec["limit"], name), spec["num_fewshot"], spec["batch_size"],
+                  items=found)
+        items += [dict(model=name, method=lab, **row) for row in found]
+        if model is not dense:
+            del model
+    return {"rows": pd.DataFrame(rows).assign(model=name), "fidelity": fid, "items": pd.DataFrame(items),
+            "alphas": pd.DataFrame([dict(model=name, layer=i, alpha=a) for i, a in alphas.items()]),
+            "budgets": {name: budget}, "info": model_info(dense),
+            "seconds": dict(model=name, seconds=time.perf_counter() - start)}
+
+
+def equal_budget_study(models: list[str], variant_specs: list[str], tasks: list[str], limit, num_fewshot,
+                       n_calib: int, seq_len: int, n_eval: int, n_layers: int, latency_len: int, latency_repeats: int,
+                       latency_budgets: list[str], seed: int, dtype: str, device: str, threads: int | None = None,
+                       batch_size: int = 8) -> dict:
+    """Every chosen baseline variant at HARP's two budgets, with HARP, HARP + FLAP and dense, on each model.
+
+    Returns:
+        dict: runs (one row per model and variant: method, scope, budget, budget_params, params_removed,
+        weights_zeroed, latency), fidelity (per window), items (task items of dense, HARP and each method's best
+        variant), alphas, budgets, infos, seconds.
+    """
+    for b in latency_budgets:
+        if b not in BUDGETS:
+            raise ValueError(f"latency budget '{b}' is not one of {BUDGETS}")
+    spec = dict(variants=variants(variant_specs), tasks=tasks, limit=limit, num_fewshot=num_fewshot, n_calib=n_calib,
+                seq_len=seq_len, n_eval=n_eval, n_layers=n_layers, latency_len=latency_len,
+                latency_repeats=latency_repeats, latency_budgets=latency_budgets, seed=seed, dtype=dtype,
+                device=device, threads=threads, batch_size=batch_size)
+    parts = [_model_part(name, spec) for name in models]
+    items = [p["items"] for p in parts if len(p["items"])]
+    return {"runs": pd.concat([p["rows"] for p in parts], ignore_index=True),
+            "fidelity": pd.concat([p["fidelity"] for p in parts], ignore_index=True),
+            "items": pd.concat(items, ignore_index=True) if items else pd.DataFrame(),
+            "alphas": pd.concat([p["alphas"] for p in parts], ignore_index=True),
+            "budgets": {k: v for p in parts for k, v in p["budgets"].items()},
+            "infos": [p["info"] for p in parts], "seconds": pd.DataFrame([p["seconds"] for p in parts])}
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def _key_columns(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[["model", "label", "method", "scope", "budget", "budget_params", "params_removed", "weights_zeroed"]]
+
+
+def baselines_table(study: dict, seed: int = 0) -> pd.DataFrame:
+    """The long table behind figures/06_baselines: per model and variant, each metric with its interval.
+
+    Metrics: per corpus, fidelity to dense (FIDELITY_METRICS, interval over windows) and perplexity exp(mean NLL)
+    (interval from the windows' NLLs); prefill / decode speed-up over dense (medians, no interval); per task, the
+    primary score (interval over items).
+    """
+    runs, fid = study["runs"], study["fidelity"]
+    rows = []
+    for (model, lab, budget, corpus), part in fid.groupby(["model", "label", "budget", "corpus"], sort=False):
+        for r in fidelity_summary(part, seed).itertuples():
+            rows.append(dict(model=model, label=lab, budget=budget, metric=f"{r.metric} {corpus}", value=r.value,
+                             ci_low=r.ci_low, ci_high=r.ci_high, n=r.n_windows))
+        value, low, high = mean_ci(part.nll.to_numpy(dtype=np.float64), seed)
+        rows.append(dict(model=model, label=lab, budget=budget, metric=f"ppl {corpus}", value=math.exp(value),
+                         ci_low=math.exp(low), ci_high=math.exp(high), n=len(part)))
+    for r in runs.itertuples():
+        for metric in ("prefill_speedup", "decode_speedup"):
+            if metric in runs.columns and not pd.isna(getattr(r, metric)):
+                rows.append(dict(model=r.model, label=r.label, budget=r.budget, metric=metric,
+                                 value=getattr(r, metric), ci_low=np.nan, ci_high=np.nan, n=np.nan))
+    items = study["items"]
+    if len(items):
+        scores = task_scores(items, seed)
+        budget_of = {DENSE: ""} | {lab: "harp" for lab in scores.method.unique() if lab != DENSE}
+        for r in scores.itertuples():
+            rows.append(dict(model=r.model, label=r.method, budget=budget_of[r.method], metric=r.task, value=r.value,
+                             ci_low=r.ci_low, ci_high=r.ci_high, n=r.n))
+    table = pd.DataFrame(rows).merge(_key_columns(runs), on=["model", "label", "budget"], how="left")
+    first = ["model", "method", "scope", "budget", "params_removed", "metric", "value", "ci_low", "ci_high"]
+    return table[first + [c for c in table.columns if c not in first]]
+
+
+def versus_harp(study: dict, seed: int = 0) -> pd.DataFrame:
+    """Each baseline minus HARP (budget "harp") or minus HARP + FLAP (budget "release"), paired on the same windows
+    (fidelity metrics and NLL) and items (tasks), with 95 % bootstrap intervals. For KL and Δ NLL a positive
+    difference means the baseline is further from dense than HARP; for top-1 agreement and tasks, that it is closer.
+    """
+    fid = study["fidelity"]
+    parts = []
+    for budget, reference in REFERENCE.items():
+        sub = fid[fid.budget == budget]
+        for metric in (*FIDELITY_METRICS, "nll"):
+            long = sub.rename(columns={"label": "method"}).assign(metric=f"{metric} " + sub.corpus)
+            parts.append(paired_table(long, reference, ["model", "metric"], unit="window", value=metric, seed=seed)
+                         .assign(budget=budget))
+    items = study["items"]
+    if len(items):
+        tasks = paired_table(items.rename(columns={"task": "metric"}), HARP, ["model", "metric"], seed=seed)
+        parts.append(tasks[tasks.method != DENSE].assign(budget="harp"))
+    return pd.concat(parts, ignore_index=True)
+
+
+def summarise_equal_budget(table: pd.DataFrame, vs: pd.DataFrame, study: dict) -> dict:
+    """Headline numbers: every metric of every variant, every paired difference from HARP, budgets and α's."""
+    out = {}
+    for r in table.itertuples():
+        out[f"{r.model}/{r.label}/{r.budget or 'dense'}/{r.metric}"] = float(r.value)
+    for r in vs.itertuples():
+        out[f"{r.model}/{r.method}/{r.budget}/{r.metric}/vs_reference"] = [float(r.diff), float(r.ci_low),
+                                                                           float(r.ci_high)]
+    for model, b in study["budgets"].items():
+        out |= {f"{model}/budget/{k}": int(v) for k, v in b.items()}
+    for model, part in study["alphas"].groupby("model"):
+        out[f"{model}/searched_alphas_top_first"] = [float(a) for a in part.sort_values("layer", ascending=False).alpha]
+    for r in study["seconds"].itertuples():
+        out[f"{r.model}/seconds"] = float(r.seconds)
+    return out
+
+
+def latency_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Prefill and per-token decode latency of each timed variant and of dense beside it (medians of interleaved
+    runs), long form: model, label, method, scope, budget, params_removed, phase, seconds, dense_seconds, speedup."""
+    timed = runs.dropna(subset=["prefill_speedup"]) if "prefill_speedup" in runs.columns else runs.iloc[:0]
+    rows = []
+    for r in timed.itertuples():
+        for phase, own, ref, speedup in (("prefill", r.prefill_s, r.prefill_reference_s, r.prefill_speedup),
+                                         ("decode (per token)", r.decode_ms / 1e3, r.decode_reference_ms / 1e3,
+                                          r.decode_speedup)):
+            rows.append(dict(model=r.model, label=r.label, method=r.method, scope=r.scope, budget=r.budget,
+                             params_removed=r.params_removed, seq_len=int(r.seq_len), threads=int(r.threads),
+                             phase=phase, seconds=own, dense_seconds=ref, speedup=speedup))
+    return pd.DataFrame(rows)
+
+
+def task_table(table: pd.DataFrame, vs: pd.DataFrame) -> pd.DataFrame:
+    """Per model and variant (rows) and task (columns): "score [low, high]" and, for baselines, "Δ vs HARP [low,
+    high]" (* where the interval excludes 0)."""
+    tasks = [m for m in table.metric.unique() if not m.startswith(("kl ", "top1", "delta_nll", "ppl ", "prefill",
+                                                                     "decode"))]
+    score = table[table.metric.isin(tasks)]
+    score = score.assign(cell=[f"{r.value:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}] (n={int(r.n)})"
+                               for r in score.itertuples()])
+    diff = vs[vs.metric.isin(tasks)]
+    diff = diff.assign(label=diff.method, cell=[f"{r.diff:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
+                                                f"{' *' if r.decided else ''}" for r in diff.itertuples()])
+    wide = {k: d.pivot_table(index=["model", "label"], columns="metric", values="cell", aggfunc="first", sort=False)
+            for k, d in (("score", score), ("Δ vs HARP", diff)) if len(d)}
+    return pd.concat(wide, axis=1) if wide else pd.DataFrame()

@@ -1,0 +1,248 @@
+"""Structured-pruning baselines on tiny random models: budgets, real removal, exact record replay, bad input."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from conftest import make_tiny
+from torch import nn
+from torch.testing import assert_close
+
+from harp_src import apply_harp, baselines
+from harp_src.baselines import METHODS, SCOPES, PruneRecord, capacity, compensation, prune
+from harp_src.models import fingerprint, get_adapter
+from harp_src.slicing import Constant, keep_channels, units
+from harp_src.studies.equal_budget import HARP, variants, versus_harp
+from harp_src.timing import latency_pair
+
+FAMILIES = ["llama", "qwen2", "gemma3"]  # GQA (2 KV heads of 4), GQA with q/k/v biases, MQA
+CASES = [(m, s) for m in METHODS for s in SCOPES[m]]
+FINE = set(baselines.FINE)
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def calib(seed: int = 1, n: int = 4, t: int = 32) -> torch.Tensor:
+    return torch.randint(3, 128, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def budget_of(model, method, scope) -> int:
+    # large enough that one MLP channel (192 parameters here) is under 1 % of it
+    return max(capacity(model, method, scope) // 5, 20_000) if method in FINE else capacity(model, method, scope) // 5
+
+
+def expected_removed(model_before, record) -> int:
+    """Parameters the record's kept lists remove, counted from the unit layout of the dense model."""
+    ad = get_adapter(model_before)
+    u = units(ad)
+    total = 0
+    for i, e in record.layers.items():
+        if e.get("heads") == [] and e.get("channels") == []:
+            return None  # whole blocks: counted by n_params below
+        if "heads" in e:
+            total += (u.n_heads - len(e["heads"])) * u.head_params
+        if "channels" in e:
+            total += (u.n_channels - len(e["channels"])) * u.channel_params
+        total -= ad.hidden * ("heads_bias" in e and ad.attention(i).o_proj.bias is None)
+        total -= ad.hidden * ("channels_bias" in e and ad.mlp(i).down_proj.bias is None)
+    return total
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method,scope", CASES)
+def test_budget_removal_generate_and_replay(family, method, scope, ids):
+    model = make_tiny(family)
+    before = n_params(model)
+    budget = budget_of(model, method, scope)
+    record = prune(model, method, budget, calib(), scope, progress=False)
+    assert record.params_removed == before - n_params(model)
+    if method == "wanda":
+        assert record.params_removed == 0 and record.weights_zeroed == budget
+        zeros = sum(int((lin.weight == 0).sum()) for layer in get_adapter(model).layers
+                    for lin in layer.modules() if isinstance(lin, nn.Linear))
+        assert zeros == budget  # random weights have no zeros of their own
+    elif method in FINE:
+        assert abs(record.params_removed - budget) <= 0.01 * budget
+        assert record.params_removed == expected_removed(make_tiny(family), record)
+    else:  # whole blocks or attention layers: the count closest to the budget
+        each = record.params_removed / len(record.layers)
+        assert abs(record.params_removed - budget) <= each / 2 + 1
+    # forward and cached generation work, and the cache changes nothing
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+    cached = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    uncached = model.generate(ids[:1], max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    # the record, through JSON, rebuilds the same model bit for bit
+    again = make_tiny(family)
+    PruneRecord.from_dict(json.loads(json.dumps(record.to_dict()))).apply(again)
+    a, b = model.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert n_params(again) == n_params(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_eager_and_sdpa_agree_after_head_pruning(family, ids):
+    record = prune(make_tiny(family), "flap", 30_000, calib(), "heads+mlp", progress=False)
+    assert any(len(e["heads"]) < units(get_adapter(make_tiny(family))).n_heads for e in record.layers.values())
+    outs = []
+    for attn in ("eager", "sdpa"):
+        model = make_tiny(family, attn=attn)
+        record.apply(model)
+        with torch.no_grad():
+            outs.append(model(ids).logits)
+    assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+
+
+def test_scores_come_from_calibration_only(ids):
+    first = prune(make_tiny("llama"), "wanda-sp", 20_000, calib(seed=1), progress=False)
+    model = make_tiny("llama")
+    with torch.no_grad():
+        model(ids)  # running the model on other (test) text first leaves nothing behind
+    second = prune(model, "wanda-sp", 20_000, calib(seed=1), progress=False)
+    other = prune(make_tiny("llama"), "wanda-sp", 20_000, calib(seed=2), progress=False)
+    assert first.layers == second.layers and first.meta == second.meta
+    assert first.meta["calib_sha256"] != other.meta["calib_sha256"]
+
+
+def test_mag_sp_removes_the_hand_computed_head():
+    model = make_tiny("llama")  # 4 query heads in 2 KV groups: a unit is a group of 2 heads, 32 o_proj columns
+    ad = get_adapter(model)
+    u = units(ad)
+    with torch.no_grad():
+        for i in range(ad.n_layers):
+            o = ad.attention(i).o_proj.weight
+            o.fill_(1.0)
+            o[:, u.head_width:] = 0.1  # unit 1 feeds the smallest columns
+            down = ad.mlp(i).down_proj.weight
+            down.copy_(torch.arange(1, down.shape[1] + 1, dtype=down.dtype).expand_as(down))  # channel 0 smallest
+    # the budget of one unit and one channel per layer: the ratio rounds to exactly that here
+    budget = ad.n_layers * (u.head_params * 1 + u.channel_params * 64)
+    record = prune(model, "mag-sp", budget, scope="heads+mlp", progress=False)
+    for e in record.layers.values():
+        assert e["heads"] == [0]
+        assert e["channels"] == list(range(64, 128))
+
+
+def test_compensation_keeps_output_for_a_constant_channel():
+    model = make_tiny("llama")
+    ad = get_adapter(model)
+    mlp = ad.mlp(1)
+    j = 5
+    # channel j's input becomes constant: silu(b_g) · b_u whatever the token
+    for name in ("gate_proj", "up_proj"):
+        old = getattr(mlp, name)
+        new = nn.Linear(old.in_features, old.out_features, bias=True)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            new.weight[j] = 0
+            new.bias.zero_()
+            new.bias[j] = 0.7 if name == "gate_proj" else -1.3
+        setattr(mlp, name, new)
+    x = torch.randn(2, 7, ad.hidden)
+    seen = {}
+    handle = mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.update(x=a[0]))
+    with torch.no_grad():
+        ref = mlp(x)
+    handle.remove()
+    mean = seen["x"].flatten(0, 1).double().mean(0)
+    delta = torch.tensor(compensation(mlp.down_proj.weight, mean, [j]), dtype=torch.float64)
+    keep_channels(ad, 1, [c for c in range(128) if c != j], delta)
+    with torch.no_grad():
+        assert_close(ad.mlp(1)(x), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_harp_then_flap_on_mlp_fills_the_release_budget():
+    model = make_tiny("llama")
+    plan = apply_harp(model, "top:2", {2: 0.5, 3: 0.0})
+    b = baselines.budgets(model, plan)
+    assert b["release"] > b["harp"] > 0
+    record = prune(model, "flap", b["release"] - b["harp"], calib(), scope="mlp", progress=False)
+    assert abs(record.params_removed - (b["release"] - b["harp"])) <= 0.02 * b["release"]
+    cached = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False)
+    assert torch.equal(cached, model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False,
+                                              use_cache=False))
+
+
+def test_dropped_attention_is_constant_and_kv_free():
+    model = make_tiny("qwen2")
+    record = prune(model, "attn-drop-top", 1, progress=False)
+    assert list(record.layers) == [3]
+    ad = get_adapter(model)
+    assert isinstance(ad.attention(3), Constant)
+    cache = model(torch.tensor([[4, 5, 6]]), use_cache=True).past_key_values
+    assert getattr(cache.layers[3], "keys", None) is None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="magnitude", budget_params=1000), "unknown method 'magnitude'; choose one of mag-sp"),
+    (dict(method="flap", budget_params=1000, scope="heads"), "valid: heads\\+mlp, mlp"),
+    (dict(method="mag-sp", budget_params=10**9), "exceeds the"),
+    (dict(method="mag-sp", budget_params=0), "positive number"),
+    (dict(method="flap", budget_params=1000, calib_windows=torch.zeros(0, 8, dtype=torch.long)), "calibration"),
+    (dict(method="wanda-sp", budget_params=1000), "calibration"),
+])
+def test_bad_input_leaves_the_model_unchanged(kwargs, match):
+    model = make_tiny("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        prune(model, **kwargs)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_record_refuses_another_model_and_a_pruned_one():
+    record = prune(make_tiny("llama"), "mag-sp", 20_000, progress=False)
+    with pytest.raises(ValueError, match="made for another model"):
+        record.apply(make_tiny("qwen2"))
+    pruned = make_tiny("llama")
+    record.apply(pruned)
+    with pytest.raises(ValueError, match="already pruned"):
+        record.apply(pruned)
+    harp = make_tiny("llama")
+    apply_harp(harp, "top:1")
+    with pytest.raises(ValueError, match="already pruned"):
+        prune(harp, "mag-sp", 20_000, progress=False)
+    assert record.fingerprint == fingerprint(make_tiny("llama").config)
+
+
+def test_latency_pair_times_both_models_interleaved():
+    dense = make_tiny("llama")
+    pruned = make_tiny("llama")
+    prune(pruned, "attn-drop-top", 1, progress=False)
+    row = latency_pair(dense, pruned, seq_len=16, repeats=2, warmup=1, decode_steps=2, threads=1)
+    assert row["threads"] == 1 and row["seq_len"] == 16
+    for key in ("prefill_reference_s", "prefill_s", "decode_reference_ms", "decode_ms"):
+        assert row[key] > 0
+    assert row["prefill_speedup"] == pytest.approx(row["prefill_reference_s"] / row["prefill_s"])
+    assert row["decode_speedup"] == pytest.approx(row["decode_reference_ms"] / row["decode_ms"])
+
+
+def test_variant_specs():
+    assert variants(["flap"]) == [("flap", "heads+mlp"), ("flap", "mlp")]
+    assert variants(["flap:mlp", "shortgpt"]) == [("flap", "mlp"), ("shortgpt", "blocks")]
+    assert len(variants(["all"])) == sum(len(s) for s in SCOPES.values())
+    with pytest.raises(ValueError, match="unknown method 'flapp'"):
+        variants(["flapp"])
+    with pytest.raises(ValueError, match="no scope 'heads'"):
+        variants(["flap:heads"])
+
+
+def test_versus_harp_pairs_windows():
+    """Synthetic per-window fidelity: a baseline whose KL is HARP's + 0.1 on every window differs by exactly 0.1."""
+    rng = torch.Generator().manual_seed(0)
+    base = torch.rand(40, generator=rng).double().numpy()
+    rows = []
+    for lab, shift in ((HARP, 0.0), ("flap [mlp]", 0.1)):
+        for corpus in ("enwiki", "lee"):
+            rows.append(pd.DataFrame({"window": range(40), "kl": base + shift, "top1_agreement": 0.5,
+                                      "delta_nll": base, "nll_reference": 3.0, "nll": 3.0 + base, "n_tokens": 127,
+                                      "corpus": corpus, "label": lab, "budget": "harp", "model": "m"}))
+    vs = versus_harp({"fidelity": pd.concat(rows, ignore_index=True), "items": pd.DataFrame()})
+    kl = vs[(vs.metric == "kl enwiki") & (vs.method == "flap [mlp]")].iloc[0]
+    assert kl["diff"] == pytest.approx(0.1) and kl.ci_low == pytest.approx(0.1) and kl.decided
+    nll = vs[(vs.metric == "nll lee")].iloc[0]
+    assert nll["diff"] == pytest.approx(0.0, abs=1e-12) and not nll.decided
