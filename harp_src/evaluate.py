@@ -104,15 +104,25 @@ def _check_pair(reference, model, windows: torch.Tensor, tokenizers) -> None:
 
 
 @torch.no_grad()
-def _window_sums(reference, model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+def final_states(model, ids: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states [B, T, d], what the LM head reads (no cache)."""
+    return model.get_decoder()(input_ids=ids.to(next(model.parameters()).device), use_cache=False).last_hidden_state
+
+
+def reference_states(reference, windows: torch.Tensor, batch_size: int = 1) -> list[torch.Tensor]:
+    """`reference`'s final states per batch of `windows`, to pass to `fidelity_windows` when one reference is
+    compared with many models (its decoder then runs once, not once per model)."""
+    return [final_states(reference, windows[s : s + batch_size]) for s in range(0, len(windows), batch_size)]
+
+
+@torch.no_grad()
+def _window_sums(reference, model, ids: torch.Tensor, chunk: int, ref_states: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """Per window [B]: summed KL, top-1 agreements, NLL of reference and of model, over the T − 1 predictions.
 
     Returns [B, 4]. The LM head runs on `chunk` positions at a time, so no [T × vocab] logits are ever held.
     """
-    states = []
-    for m in (reference, model):
-        states.append(m.get_decoder()(input_ids=ids.to(next(m.parameters()).device), use_cache=False)
-                      .last_hidden_state)
+    states = [final_states(reference, ids) if ref_states is None else ref_states, final_states(model, ids)]
     heads = (get_adapter(reference).head_logits, get_adapter(model).head_logits)
     targets = ids[:, 1:]
     sums = torch.zeros(ids.shape[0], 4, dtype=torch.float64)
@@ -129,13 +139,20 @@ def _window_sums(reference, model, ids: torch.Tensor, chunk: int) -> torch.Tenso
 
 
 def fidelity_windows(reference, model, windows: torch.Tensor, batch_size: int = 1, chunk: int = 128,
-                     tokenizers: tuple | None = None, progress: bool = True) -> pd.DataFrame:
+                     tokenizers: tuple | None = None, progress: bool = True,
+                     ref_states: list[torch.Tensor] | None = None) -> pd.DataFrame:
     """Per window: the mean over its predicted tokens of KL(reference ‖ model), top-1 agreement, Δ NLL (model −
-    reference) and both NLLs. Same arguments as `fidelity`; for paired comparisons of two pruned models."""
+    reference) and both NLLs. Same arguments as `fidelity`; for paired comparisons of two pruned models.
+    `ref_states`: `reference_states(reference, windows, batch_size)`, computed once for many models."""
     _check_pair(reference, model, windows, tokenizers)
+    starts = range(0, len(windows), batch_size)
+    if ref_states is not None and [len(r) for r in ref_states] != [len(windows[s : s + batch_size]) for s in starts]:
+        raise ValueError("ref_states do not match these windows and batch_size; make them with "
+                         "reference_states(reference, windows, batch_size)")
     per_window = []
-    for start in tqdm(range(0, len(windows), batch_size), desc="fidelity", leave=False, disable=not progress):
-        per_window.append(_window_sums(reference, model, windows[start : start + batch_size], chunk))
+    for k, start in enumerate(tqdm(starts, desc="fidelity", leave=False, disable=not progress)):
+        per_window.append(_window_sums(reference, model, windows[start : start + batch_size], chunk,
+                                       None if ref_states is None else ref_states[k]))
     sums = torch.cat(per_window) / (windows.shape[1] - 1)  # per-window means; equal lengths, so the mean is per token
     kl, agree, nll_ref, nll = sums.unbind(1)
     return pd.DataFrame({"window": range(len(windows)), "kl": kl.numpy(), "top1_agreement": agree.numpy(),

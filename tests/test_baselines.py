@@ -13,7 +13,7 @@ from harp_src import apply_harp, baselines
 from harp_src.baselines import METHODS, SCOPES, PruneRecord, capacity, compensation, prune
 from harp_src.models import fingerprint, get_adapter
 from harp_src.slicing import Constant, keep_channels, units
-from harp_src.studies.equal_budget import HARP, variants, versus_harp
+from harp_src.studies.equal_budget import HARP, pruned_key, variants, versus_harp
 from harp_src.timing import latency_pair
 
 FAMILIES = ["llama", "qwen2", "gemma3"]  # GQA (2 KV heads of 4), GQA with q/k/v biases, MQA
@@ -246,3 +246,19 @@ def test_versus_harp_pairs_windows():
     assert kl["diff"] == pytest.approx(0.1) and kl.ci_low == pytest.approx(0.1) and kl.decided
     nll = vs[(vs.metric == "nll lee")].iloc[0]
     assert nll["diff"] == pytest.approx(0.0, abs=1e-12) and not nll.decided
+
+
+def test_pruned_key_names_the_same_model_once():
+    """A heads+mlp variant that takes no head is the mlp variant (measured once); another budget or edit is not."""
+    records = {(scope, budget): prune(make_tiny("llama"), "mag-sp", budget, scope=scope)
+               for scope, budget in (("heads+mlp", 2_000), ("mlp", 2_000), ("mlp", 4_000))}
+    assert [e["heads"] for e in records["heads+mlp", 2_000].layers.values()] == [[0, 1]] * 4  # no head taken
+    u = units(get_adapter(make_tiny("llama")))
+
+    def key(scope, budget, label="harp"):
+        return pruned_key(dict(kind="baseline", method="mag-sp", budget=label), records[scope, budget], u)
+
+    assert key("heads+mlp", 2_000) == key("mlp", 2_000)
+    assert key("mlp", 2_000) != key("mlp", 4_000)
+    assert key("mlp", 2_000) != key("mlp", 2_000, "release")
+    assert pruned_key(dict(kind="harp", method="harp", budget="harp"), None, u) is None

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_tiny
+from torch.testing import assert_close
 
 from harp_src import apply_harp
-from harp_src.evaluate import FIDELITY_METRICS, fidelity
+from harp_src.evaluate import FIDELITY_METRICS, fidelity, fidelity_windows, reference_states
 
 
 def windows(n=6, t=16, seed=0):
@@ -41,6 +42,19 @@ def test_harp_model_by_hand(family):
     assert df.value["delta_nll"] == pytest.approx(dnll.mean().item(), rel=1e-4, abs=1e-6)
     assert (df.ci_low <= df.value).all() and (df.value <= df.ci_high).all()
     assert math.isfinite(df.ci_high["kl"]) and df.ci_high["kl"] > df.ci_low["kl"]
+
+
+def test_reference_states_computed_once_give_the_same_numbers(family):
+    dense, pruned = make_tiny(family), make_tiny(family)
+    apply_harp(pruned, [1, 3], {1: 0.5, 3: 0.0})
+    w = windows(n=5)
+    fresh = fidelity_windows(dense, pruned, w, batch_size=2, chunk=7, progress=False)
+    reused = fidelity_windows(dense, pruned, w, batch_size=2, chunk=7, progress=False,
+                              ref_states=reference_states(dense, w, batch_size=2))
+    assert_close(torch.tensor(reused.drop(columns="window").to_numpy()),
+                 torch.tensor(fresh.drop(columns="window").to_numpy()))
+    with pytest.raises(ValueError, match="ref_states do not match"):
+        fidelity_windows(dense, pruned, w, batch_size=1, progress=False, ref_states=reference_states(dense, w, 2))
 
 
 def test_bad_input():

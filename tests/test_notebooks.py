@@ -65,6 +65,18 @@ GOLDEN = {
         "smollm2-135m/HARP, searched α/long_context/multidoc": (0.25, dict(abs=0.01)),
         "smollm2-135m/searched_alphas_top_first": ([0.3, 0.4, 0.8, 0.0], dict(abs=0.11)),
     },
+    "06_baselines": {  # 2 x 128 calibration tokens, 4 x 127 predicted tokens per corpus, 6 items per task
+        "smollm2-135m/budget/harp": (2211840, dict(abs=0)),  # Q + K of the top 4 layers, V + O of the α = 0 one
+        "smollm2-135m/budget/release": (3538944, dict(abs=0)),  # all attention weights of those 4 layers
+        "smollm2-135m/dense/dense/ppl enwiki": (32.47, dict(rel=0.01)),
+        "smollm2-135m/HARP/harp/kl enwiki": (0.2112, dict(rel=0.03)),
+        "smollm2-135m/HARP + FLAP/release/kl enwiki": (0.2424, dict(rel=0.03)),
+        "smollm2-135m/mag-sp [mlp]/harp/kl enwiki": (3.719, dict(rel=0.03)),
+        "smollm2-135m/flap [mlp]/harp/kl enwiki": (0.0606, dict(rel=0.05)),
+        "smollm2-135m/shortgpt/harp/kl enwiki": (0.1162, dict(rel=0.03)),
+        "smollm2-135m/wanda/harp/kl enwiki": (1.05e-4, dict(abs=5e-5)),  # zeroing 2 % of weights barely moves it
+        "smollm2-135m/searched_alphas_top_first": ([0.3, 0.4, 0.8, 0.0], dict(abs=0.11)),
+    },
     "05_ablations": {
         "smollm2-135m/dense/-/enwiki": (89.49, dict(rel=0.01)),
         "smollm2-135m/dense/-/lee": (51.92, dict(rel=0.01)),

@@ -11,6 +11,7 @@ each method, and prefill / decode latency interleaved with dense (issue 13).
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 
@@ -20,10 +21,19 @@ from tqdm.auto import tqdm
 
 from ..baselines import METHODS, SCOPES, budgets, prune
 from ..data import ppl_windows
-from ..evaluate import FIDELITY_METRICS, fidelity_summary, fidelity_windows, limits_for, run_tasks, task_scores
+from ..evaluate import (
+    FIDELITY_METRICS,
+    fidelity_summary,
+    fidelity_windows,
+    limits_for,
+    reference_states,
+    run_tasks,
+    task_scores,
+)
 from ..harp import apply_harp, parse_layers, quarter_depth
-from ..models import fingerprint, load_model, model_info
+from ..models import fingerprint, get_adapter, load_model, model_info
 from ..search import search_alphas
+from ..slicing import Units, units
 from ..stats import mean_ci, paired_table
 from ..timing import latency_pair
 
@@ -91,11 +101,23 @@ def _removed(dense_params: int, model, record) -> tuple[int, int]:
     return dense_params - after, 0 if record is None else record.weights_zeroed
 
 
-def _measure(dense, model, windows: dict, spec: dict, timed: bool) -> tuple[list[pd.DataFrame], dict]:
-    per_window = [fidelity_windows(dense, model, w, progress=False).assign(corpus=c) for c, w in windows.items()]
+def _measure(dense, model, windows: dict, states: dict, spec: dict, timed: bool) -> tuple[list[pd.DataFrame], dict]:
+    per_window = [fidelity_windows(dense, model, w, progress=False, ref_states=states[c]).assign(corpus=c)
+                  for c, w in windows.items()]
     latency = latency_pair(dense, model, spec["latency_len"], spec["latency_repeats"], 1, 8, spec["threads"],
                            spec["seed"]) if timed and model is not dense else {}
     return per_window, latency
+
+
+def pruned_key(recipe: dict, record, u: Units) -> str | None:
+    """What identifies a baseline's pruned model: method, budget and per-layer edits, leaving out kept-lists that keep
+    every unit (None for dense and HARP). Two variants with one key are the same model, e.g. a uniform method's
+    "heads+mlp" whose head share rounds to 0 and its "mlp"; `u`: the dense model's units."""
+    if recipe["kind"] != "baseline":
+        return None
+    full = {"heads": list(range(u.n_heads)), "channels": list(range(u.n_channels))}
+    edits = {str(i): {k: v for k, v in e.items() if full.get(k) != v} for i, e in sorted(record.layers.items())}
+    return json.dumps([recipe["method"], recipe["budget"], edits], sort_keys=True)
 
 
 def _best_by_method(fid: pd.DataFrame, rows: list[dict]) -> list[str]:
@@ -116,19 +138,29 @@ def _model_part(name: str, spec: dict) -> dict:
     layers = parse_layers(f"top:{spec['n_layers'] or quarter_depth(L)}", L)
     calib = ppl_windows(tok, "enwiki", "train", spec["n_calib"], spec["seq_len"], spec["seed"])
     windows = {c: ppl_windows(tok, c, "test", spec["n_eval"], spec["seq_len"], spec["seed"]) for c in CORPORA}
+    states = {c: reference_states(dense, w) for c, w in windows.items()}  # dense runs once per window, not per variant
     alphas = search_alphas(dense, calib, layers)
     budget = budgets(dense, _harp_model(dense, alphas).harp_plan)
     dense_params = sum(p.numel() for p in dense.parameters())
-    rows, fids, records = [], [], {}
+    dense_units = units(get_adapter(dense))
+    rows, fids, records, measured = [], [], {}, {}
     for recipe in tqdm(_recipes(alphas, budget, spec["variants"]), desc=f"{name}: variants"):
         model, record = _build(dense, recipe, calib)
         removed, zeroed = _removed(dense_params, model, record)
-        per_window, latency = _measure(dense, model, windows, spec, recipe["budget"] in spec["latency_budgets"])
+        twin = pruned_key(recipe, record, dense_units)
+        same_as = measured[twin][0] if twin in measured else ""
+        if same_as:  # e.g. a heads+mlp variant that took no head is the mlp variant: measured once
+            per_window, latency = measured[twin][1:]
+        else:
+            per_window, latency = _measure(dense, model, windows, states, spec,
+                                           recipe["budget"] in spec["latency_budgets"])
+            if twin is not None:
+                measured[twin] = (recipe["label"], per_window, latency)
         key = (recipe["label"], recipe["budget"])
         fids += [f.assign(label=recipe["label"], budget=recipe["budget"]) for f in per_window]
         rows.append({**{k: recipe[k] for k in ("label", "method", "scope", "budget", "kind")},
                      "budget_params": budget.get(recipe["budget"], 0), "params_removed": removed,
-                     "weights_zeroed": zeroed, **latency})
+                     "weights_zeroed": zeroed, "same_as": same_as, **latency})
         records[key] = recipe
         if model is not dense:
             del model
