@@ -435,9 +435,6 @@ def run_tasks(model, tok, tasks: Iterable[str], limit: int | dict | None = None,
     return pd.DataFrame(rows).assign(scorer="fast" if fast else "stock")
 
 
-if __name__ == "__main__":
-    write_json(ROOT / "data" / "tasks_manifest.json", task_manifest())
-
 
 def task_scores(items: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
     """Per model, method and task: the primary metric (mean over items) with its bootstrap interval and n."""
@@ -452,3 +449,7 @@ def task_scores(items: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
 def limits_for(limit, model: str):
     """A model's item limit: `limit` itself, or its entry when `limit` is keyed by model name."""
     return limit[model] if isinstance(limit, dict) and model in limit else limit
+
+
+if __name__ == "__main__":
+    write_json(ROOT / "data" / "tasks_manifest.json", task_manifest())

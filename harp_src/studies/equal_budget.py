@@ -161,15 +161,19 @@ def _model_part(name: str, spec: dict) -> dict:
         rows.append({**{k: recipe[k] for k in ("label", "method", "scope", "budget", "kind")},
                      "budget_params": budget.get(recipe["budget"], 0), "params_removed": removed,
                      "weights_zeroed": zeroed, "same_as": same_as, **latency})
-        records[key] = recipe
+        records[key] = (recipe, record)
         if model is not dense:
             del model
     fid = pd.concat(fids, ignore_index=True).assign(model=name)
     on_tasks = [DENSE, HARP, *_best_by_method(fid, rows)] if spec["tasks"] else []
     items = []
     for lab in tqdm(on_tasks, desc=f"{name}: tasks"):
-        recipe = records[(lab, "" if lab == DENSE else "harp")]
-        model, _ = _build(dense, recipe, calib)
+        recipe, record = records[(lab, "" if lab == DENSE else "harp")]
+        if record is None:
+            model, _ = _build(dense, recipe, calib)
+        else:  # the record replays the measured model bit for bit, without calibrating again
+            model = copy.deepcopy(dense)
+            record.apply(model)
         found: list = []
         run_tasks(model, tok, spec["tasks"], limits_for(spec["limit"], name), spec["num_fewshot"], spec["batch_size"],
                   items=found)
