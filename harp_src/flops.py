@@ -28,13 +28,26 @@ def layer_flops(config, seq_len: int, alpha: float | None = None, fold: bool = T
     d, h, kv, hd, t = s["d"], s["h"], s["kv"], s["hd"], seq_len
     mlp = 3 * d * s["ff"]
     if alpha is None:
-        per_token = d * h * hd + 2 * d * kv * hd + h * hd * d + mlp
-        pairs = t * past + t * (t + 1) / 2  # causal: new query i sees the past and keys 0..i
-        return 2 * (per_token * t + 2 * h * hd * pairs)
+        return attention_flops(config, t, past) + 2 * mlp * t
     if alpha == 0.0:
         return 2 * mlp * t
     o_in = kv * hd if fold else h * hd
     return 2 * (d * kv * hd + o_in * d + mlp) * t
+
+
+def attention_flops(config, seq_len: int, past: int = 0, n_heads: int | None = None, n_kv_heads: int | None = None
+                    ) -> float:
+    """FLOPs of one attention sub-layer over `seq_len` new tokens: Q, K, V, O projections, scores and A·V.
+
+    `n_heads` / `n_kv_heads`: query and KV heads kept (default: the config's), e.g. after head pruning.
+    """
+    s = _shape(config)
+    d, hd, t = s["d"], s["hd"], seq_len
+    h = s["h"] if n_heads is None else n_heads
+    kv = s["kv"] if n_kv_heads is None else n_kv_heads
+    per_token = d * h * hd + 2 * d * kv * hd + h * hd * d
+    pairs = t * past + t * (t + 1) / 2  # causal: new query i sees the past and keys 0..i
+    return 2 * (per_token * t + 2 * h * hd * pairs)
 
 
 def head_flops(config, tokens: int) -> float:

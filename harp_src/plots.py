@@ -245,3 +245,48 @@ def _facets(df: pd.DataFrame, row: str | None, col: str | None) -> list:
                 mask &= df[col] == c
             out.append(((r, c), df[mask]))
     return out
+
+
+def heatmaps(df: pd.DataFrame, title: str, row: str = "model", col: str = "metric", value: str = "score",
+             labels: dict | None = None):
+    """One layer × head heat map per (`row`, `col`) pair, each with its own colour scale (metrics differ in units)."""
+    set_theme()
+    rows, cols = list(dict.fromkeys(df[row])), list(dict.fromkeys(df[col]))
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(2.6 * len(cols), 3.2 * len(rows)), squeeze=False)
+    for r, rname in enumerate(rows):
+        for c, cname in enumerate(cols):
+            part = df[(df[row] == rname) & (df[col] == cname)]
+            grid = part.pivot_table(index="layer", columns="head", values=value)
+            sns.heatmap(grid, ax=axes[r, c], cmap="viridis", cbar=True, xticklabels=True,
+                        yticklabels=max(1, len(grid) // 6))
+            axes[r, c].set_title(f"{rname}\n{(labels or {}).get(cname, cname)}", fontsize=9)
+            axes[r, c].set_xlabel("query head")
+            axes[r, c].set_ylabel("layer" if c == 0 else "")
+    fig.suptitle(title, y=1.01)
+    fig.tight_layout()
+    return fig
+
+
+def curves_with_intervals(df: pd.DataFrame, x: str, y: str, low: str, high: str, hue: str, style: str, col: str,
+                          title: str, xlabel: str, ylabel: str, logy: bool = False):
+    """Lines of `y` against `x` per (`hue`, `style`) with error bars from `low`..`high`, one panel per `col`."""
+    set_theme()
+    panels = list(dict.fromkeys(df[col]))
+    hues = list(dict.fromkeys(df[hue]))
+    styles = list(dict.fromkeys(df[style]))
+    colors = dict(zip(hues, sns.color_palette("colorblind", len(hues)), strict=True))
+    marks = dict(zip(styles, ["o", "s", "^", "D", "v", "P", "X"] * 3, strict=False))
+    lines = dict(zip(styles, ["-", "--", ":", "-.", (0, (3, 1, 1, 1)), (0, (5, 2))] * 3, strict=False))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), squeeze=False)
+    for ax, name in zip(axes[0], panels, strict=True):
+        for (h, s), part in df[df[col] == name].groupby([hue, style], sort=False):
+            part = part.sort_values(x)
+            ax.errorbar(part[x], part[y], yerr=[part[y] - part[low], part[high] - part[y]], color=colors[h],
+                        marker=marks[s], ls=lines[s], ms=5, capsize=3, lw=1.2, label=f"{h} · {s}")
+        ax.set(title=str(name), xlabel=xlabel, ylabel=ylabel)
+        if logy:
+            ax.set_yscale("log")
+    axes[0, -1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.suptitle(title, y=1.02)
+    fig.tight_layout()
+    return fig

@@ -127,6 +127,13 @@ def _constant(delta: torch.Tensor | None, bias: torch.Tensor | None, out_norm: n
     return None if not torch.any(value != 0) else value
 
 
+def _attention_to_constant(adapter: Adapter, i: int, delta: torch.Tensor | None) -> None:
+    """Layer i's attention with no unit left: what it still adds (bias + `delta`, through its output norm)."""
+    value = _constant(delta, adapter.attention(i).o_proj.bias, adapter.attn_out_norm(i))
+    adapter.set_attention(i, Constant(value, adapter.hidden, attention=True))
+    adapter.remove_attention_norms(i)
+
+
 def keep_heads(adapter: Adapter, i: int, keep: list[int], delta: torch.Tensor | None = None) -> None:
     """Keep only attention units `keep` of layer i (sorted, distinct); add `delta` to the o_proj bias.
 
@@ -134,9 +141,7 @@ def keep_heads(adapter: Adapter, i: int, keep: list[int], delta: torch.Tensor | 
     """
     u, attn = units(adapter, i), adapter.attention(i)
     if not keep:
-        value = _constant(delta, attn.o_proj.bias, adapter.attn_out_norm(i))
-        adapter.set_attention(i, Constant(value, adapter.hidden, attention=True))
-        adapter.remove_attention_norms(i)
+        _attention_to_constant(adapter, i, delta)
         return
     device = attn.o_proj.weight.device
     cols = _index(keep, u.head_width, device)
@@ -196,3 +201,33 @@ def mlp_is_dense(adapter: Adapter, i: int) -> bool:
     if not all(isinstance(getattr(mlp, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
         return False
     return mlp.down_proj.in_features == text_intermediate(adapter, i)
+
+
+def balanced_groups(adapter: Adapter, i: int, removed: list[int]) -> int:
+    """How many query heads each KV group of layer i loses when `removed` go; a ValueError unless every group loses
+    the same number (query head h reads KV head h // n_rep, so only such removals keep one query-per-KV ratio)."""
+    per_group = [sum(1 for h in removed if h // adapter.n_rep == g) for g in range(adapter.n_kv_heads)]
+    if len(set(per_group)) > 1:
+        raise ValueError(f"layer {i}: removing heads {sorted(removed)} takes {per_group} query heads from its "
+                         f"{adapter.n_kv_heads} KV groups; remove the same number from each group (see "
+                         "head_pruning.choose_heads), or whole layers")
+    return per_group[0]
+
+
+def keep_query_heads(adapter: Adapter, i: int, keep: list[int]) -> None:
+    """Keep only query heads `keep` of layer i's dense attention: q rows and o columns; K and V stay.
+
+    Each KV group must keep the same number of query heads (`balanced_groups`); `num_key_value_groups` becomes that
+    number. An empty `keep` replaces the sub-layer by a `Constant`, as `keep_heads` does.
+    """
+    keep = sorted(keep)
+    per_group = adapter.n_rep - balanced_groups(adapter, i, [h for h in range(adapter.n_heads) if h not in keep])
+    attn = adapter.attention(i)
+    if not keep:
+        _attention_to_constant(adapter, i, None)
+        return
+    cols = _index(keep, adapter.head_dim, attn.o_proj.weight.device)
+    attn.q_proj = slice_linear(attn.q_proj, rows=cols)
+    attn.o_proj = slice_linear(attn.o_proj, cols=cols)
+    attn.num_key_value_groups = per_group
+    attn.num_heads = len(keep)

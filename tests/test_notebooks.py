@@ -77,6 +77,17 @@ GOLDEN = {
         "smollm2-135m/wanda/harp/kl enwiki": (1.05e-4, dict(abs=5e-5)),  # zeroing 2 % of weights barely moves it
         "smollm2-135m/searched_alphas_top_first": ([0.3, 0.4, 0.8, 0.0], dict(abs=0.11)),
     },
+    "07_head_importance": {  # 2 x 64 tokens score the heads, 2 x 63 predicted test tokens: sizes that only exercise it
+        "smollm2-135m/dense/dense/0.000/ppl": (89.49, dict(rel=0.01)),
+        "smollm2-135m/taylor/one-shot/0.500/ppl": (2303, dict(rel=0.05)),
+        "smollm2-135m/lrp/one-shot/0.500/ppl": (240.7, dict(rel=0.05)),
+        "smollm2-135m/HARP/HARP, searched α/0.500/ppl": (551.1, dict(rel=0.05)),
+        "smollm2-135m/sensitivity/all heads off/most_sensitive_layer": (1, dict(abs=0)),
+        "smollm2-135m/savings/taylor one-shot, 50% heads/kv_ratio": (1.0, dict(abs=0)),  # K, V stay: no layer emptied
+        "smollm2-135m/savings/HARP, searched α, top 50% of layers/kv_ratio": (0.5, dict(abs=0)),
+        "smollm2-135m/half_heads/prefill_attention_flop_ratio": (1.6251830, dict(rel=1e-6)),  # not 2: K, V stay
+        "smollm2-135m/max_abs_logit_diff_sliced_vs_gated": (0.0, dict(abs=2e-3)),  # sliced == gated
+    },
     "05_ablations": {
         "smollm2-135m/dense/-/enwiki": (89.49, dict(rel=0.01)),
         "smollm2-135m/dense/-/lee": (51.92, dict(rel=0.01)),
