@@ -218,7 +218,8 @@ def iterative_rows(dense, metric: str, target: float, step: float, calib, ft_win
                             frac_heads_removed=count_heads(removed) / total)
             out.append(part)
             log.append(dict(round=k + 1, heads_removed=count_heads(removed), ft_loss_first=ft["losses"][0],
-                            ft_loss_last=ft["losses"][-1], test_ppl=math.exp(part.nll.mean())))
+                            ft_loss_last=ft["losses"][-1], trainable_params=ft["trainable_params"],
+                            test_ppl=math.exp(part.nll.mean())))
     return out, log, removed
 
 
