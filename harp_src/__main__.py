@@ -24,7 +24,7 @@ from .harp import HarpPlan, apply_harp, param_report, parse_layers
 from .models import fingerprint, get_adapter, load_model, model_info
 from .paper import llama31_8b_config
 from .results import run_info
-from .search import GRID, search_alphas
+from .search import GRID, benchmark_search, search_alphas
 from .timing import compare, harp_copy
 
 
@@ -89,24 +89,20 @@ def cmd_search(args) -> dict:
     layers = parse_layers(args.layers, get_adapter(model).n_layers)
     grid = tuple(float(a) for a in args.grid.split(",")) if args.grid else GRID
     calib = ppl_windows(tok, args.corpus, "train", args.n_windows, args.seq_len, args.seed)
-    history: list = []
-    start = time.perf_counter()
-    alphas = search_alphas(model, calib, layers, grid, batch_size=args.batch_size, history=history)
-    cached_s = time.perf_counter() - start
-    table = {f"{r['layer']}@{r['alpha']:g}": round(r["calib_ppl"], 4) for r in history}
-    out = {"model": model_info(model), "layers": layers, "alphas": alphas, "calib_ppl": table,
-           "calib": f"{args.corpus}/train", "n_windows": args.n_windows, "seq_len": args.seq_len,
-           "seed": args.seed, "search_s": cached_s}
-    if args.compare_naive:
-        start = time.perf_counter()
-        naive = search_alphas(model, calib, layers, grid, cache_prefix=False, batch_size=args.batch_size)
-        naive_s = time.perf_counter() - start
-        flops = search_flops(model.config, layers, len(grid), args.seq_len)
+    out = {"model": model_info(model), "layers": layers, "calib": f"{args.corpus}/train", "n_windows": args.n_windows,
+           "seq_len": args.seq_len, "seed": args.seed}
+    if args.compare_naive:  # cached and naive candidate evaluations interleaved (A B, B A, ...), fixed threads
+        bench = benchmark_search(model, calib, layers, grid, args.batch_size, args.threads)
+        alphas, history = bench.pop("alphas"), bench.pop("history")
         llama = search_flops(llama31_8b_config(), list(range(24, 32)), len(grid), args.seq_len)  # paper: top-8
-        out |= {"naive_s": naive_s, "same_alphas": naive == alphas, "measured_ratio": naive_s / cached_s,
-                "flop_ratio": flops["predicted_ratio"],
-                "measured_over_flop": naive_s / cached_s / flops["predicted_ratio"],
-                "llama31_8b_flop_ratio": llama["predicted_ratio"], "llama31_8b_layers": "top:8"}
+        out |= {**bench, "search_s": bench["cached_s"], "llama31_8b_flop_ratio": llama["predicted_ratio"],
+                "llama31_8b_layers": "top:8"}
+    else:
+        history = []
+        start = time.perf_counter()
+        alphas = search_alphas(model, calib, layers, grid, batch_size=args.batch_size, history=history)
+        out["search_s"] = time.perf_counter() - start
+    out |= {"alphas": alphas, "calib_ppl": {f"{r['layer']}@{r['alpha']:g}": round(r["calib_ppl"], 4) for r in history}}
     plan = HarpPlan(fingerprint(model.config), alphas,
                     meta={"source": "greedy α search", "model_id": model.harp_source["model_id"],
                           "calib": f"{args.corpus}/train {args.n_windows}x{args.seq_len} seed {args.seed}",
@@ -167,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--layers", required=True, help="top:N, bottom:N, a-b or a,b,c (0-based)")
     search.add_argument("--grid", help="comma-separated α values (default 0.0,0.1,...,1.0)")
     search.add_argument("--compare-naive", action="store_true",
-                        help="benchmark: also run the uncached search, compare wall time with the FLOP model")
+                        help="benchmark: cached and naive candidate evaluations interleaved (A B, B A); "
+                             "times, ratio, FLOP ratio, same_alphas")
+    search.add_argument("--threads", type=int, default=2, help="torch intra-op threads, fixed for both (benchmark)")
     search.add_argument("--out", help="write the plan (JSON) here")
     _windows_args(search)
     search.set_defaults(func=cmd_search)

@@ -17,12 +17,27 @@ import torch.nn.functional as F
 from .harp import apply_harp
 from .models import get_adapter, text_config
 
+CHUNK = 64  # positions per LM-head call: the [B · chunk × vocab] logits stay in cache instead of memory
+
+
+def chunked_nll(adapter, normed: torch.Tensor, ids: torch.Tensor, chunk: int = CHUNK) -> float:
+    """Summed next-token NLL of final-normed states [B, T, d] for `ids` [B, T], the LM head and log-softmax run on
+    `chunk` positions at a time: the same numbers as one call (up to summation order), without ever holding the
+    [B × T × vocab] logits."""
+    total = 0.0
+    for start in range(0, ids.shape[1] - 1, chunk):
+        end = min(start + chunk, ids.shape[1] - 1)
+        logits = adapter.head_logits(normed[:, start:end])
+        total += F.cross_entropy(logits.flatten(0, 1).float(), ids[:, start + 1 : end + 1].flatten(),
+                                 reduction="sum").item()
+    return total
+
 
 class Boundaries:
     """Inputs of every decoder layer for a list of batches of windows (computed once, dense model)."""
 
-    def __init__(self, model, windows: torch.Tensor, batch_size: int = 4):
-        self.model = model
+    def __init__(self, model, windows: torch.Tensor, batch_size: int = 4, chunk: int = CHUNK):
+        self.model, self.chunk = model, chunk
         self.ad = get_adapter(model)
         device = next(model.parameters()).device
         self.batches = []  # (ids, [per-layer input], [per-layer kwargs])
@@ -55,9 +70,7 @@ class Boundaries:
                 for i in range(start, self.ad.n_layers):
                     out = self.ad.layers[i](h, **kwargs[i])
                     h = out[0] if isinstance(out, tuple) else out
-                logits = self.ad.logits(h)
-                total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
-                                         reduction="sum").item()
+                total += chunked_nll(self.ad, self.ad.final_norm(h), ids, self.chunk)
                 count += ids[:, 1:].numel()
         return total, count
 

@@ -15,6 +15,8 @@ N sweep of top-N is one search of the deepest N; another selection that shares i
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -22,9 +24,11 @@ from tqdm.auto import tqdm
 
 from .analysis import layer_metrics
 from .evaluate import check_windows, nll_sum
+from .flops import search_flops
 from .harp import check_layers
 from .models import get_adapter
 from .prefix import Boundaries, harp_applied
+from .timing import num_threads
 
 GRID = tuple(round(0.1 * k, 1) for k in range(11))  # 0.0, 0.1, ..., 1.0 (paper)
 
@@ -46,6 +50,21 @@ def _setup(model, calib: torch.Tensor, layers, grid) -> tuple[list[int], tuple[f
     if not layers:
         raise ValueError("no layers to search")
     return sorted(layers, reverse=True), _check_grid(grid)
+
+
+def candidate_ppl(model, calib: torch.Tensor, bounds: Boundaries | None, layer: int, alpha: float,
+                  batch_size: int = 4) -> float:
+    """Calibration perplexity with `layer` bypassed at `alpha` on top of whatever the model already has pruned:
+    from the cached boundary when `bounds` is given (only `layer` and those above it run), else the whole model
+    (the naive reference)."""
+    with harp_applied(model, [layer], {layer: alpha}):
+        nll, count = bounds.nll_from(layer) if bounds else nll_sum(model, calib, batch_size, progress=False)
+    return math.exp(nll / count)
+
+
+def pick(grid: tuple[float, ...], scores: list[float]) -> float:
+    """The grid value with the lowest score; ties go to the smaller α."""
+    return grid[min(range(len(grid)), key=lambda k: (scores[k], grid[k]))]
 
 
 def search_alphas(
@@ -86,19 +105,16 @@ def search_alphas(
             if cache_prefix and bounds is None:
                 bounds = Boundaries(model, calib, batch_size)
             scores = []
-            for alpha in grid:
-                bar.set_postfix(layer=layer, alpha=alpha)
-                with harp_applied(model, [*chosen, layer], {**chosen, layer: alpha}):
-                    nll, count = bounds.nll_from(layer) if bounds else nll_sum(model, calib, batch_size,
-                                                                                 progress=False)
-                scores.append(math.exp(nll / count))
-                bar.update()
+            with harp_applied(model, list(chosen), chosen):  # the layers above, pruned once for all candidates
+                for alpha in grid:
+                    bar.set_postfix(layer=layer, alpha=alpha)
+                    scores.append(candidate_ppl(model, calib, bounds, layer, alpha, batch_size))
+                    bar.update()
             memo[key] = scores
-        best = min(range(len(grid)), key=lambda k: (scores[k], grid[k]))
-        chosen[layer] = grid[best]
+        chosen[layer] = pick(grid, scores)
         if history is not None:
-            history += [dict(layer=layer, alpha=a, calib_ppl=s, chosen=k == best)
-                        for k, (a, s) in enumerate(zip(grid, scores, strict=True))]
+            history += [dict(layer=layer, alpha=a, calib_ppl=s, chosen=a == chosen[layer])
+                        for a, s in zip(grid, scores, strict=True)]
     bar.close()
     return dict(sorted(chosen.items()))
 
@@ -119,11 +135,10 @@ def refine_alphas(model, calib: torch.Tensor, alphas: dict[int, float], grid: Se
                     with harp_applied(model, [layer], {layer: alpha}):
                         nll, count = bounds.nll_from(layer)
                     scores.append(math.exp(nll / count))
-            best = min(range(len(grid)), key=lambda k: (scores[k], grid[k]))
-            current[layer] = grid[best]
+            current[layer] = pick(grid, scores)
             if history is not None:
-                history += [dict(layer=layer, alpha=a, calib_ppl=s, chosen=k == best, sweep=sweep + 1)
-                            for k, (a, s) in enumerate(zip(grid, scores, strict=True))]
+                history += [dict(layer=layer, alpha=a, calib_ppl=s, chosen=a == current[layer], sweep=sweep + 1)
+                            for a, s in zip(grid, scores, strict=True)]
     return dict(sorted(current.items()))
 
 
@@ -135,3 +150,53 @@ def closed_form_alphas(model, calib: torch.Tensor, layers: Iterable[int] | str, 
     df = layer_metrics(model, calib, batch_size=batch_size, entropy=False)
     star = df[df.metric == "alpha_star"].set_index("layer").value
     return {i: float(min(max(star[i], 0.0), 1.0)) for i in sorted(order)}
+
+
+def benchmark_search(model, calib: torch.Tensor, layers: Iterable[int] | str, grid: Sequence[float] = GRID,
+                     batch_size: int = 4, threads: int | None = None, warmup: int = 1) -> dict:
+    """Cached vs naive greedy search, timed so that the machine's drifts hit both alike: every candidate α is
+    evaluated both ways back to back, the order flipping at each candidate (A B, B A, …), after `warmup` untimed
+    candidate pairs, at a fixed thread count. The search follows the cached path's choices; at every layer the
+    naive scores make their own greedy choice, and `same_alphas` says whether all of them agree.
+
+    Returns:
+        dict: alphas, cached_s (boundary pass + candidates), naive_s, measured_ratio (naive / cached), flop_ratio
+        (`flops.search_flops`), measured_over_flop, median_candidate_ratio, same_alphas, max_rel_ppl_diff,
+        candidates, threads, history (layer, alpha, calib_ppl, naive_ppl, chosen).
+    """
+    order, grid = _setup(model, calib, layers, grid)
+    times: dict[str, list[float]] = {"cached": [], "naive": []}
+    chosen: dict[int, float] = {}
+    history, same, worst = [], True, 0.0
+    with num_threads(threads) as n_threads:
+        start = time.perf_counter()
+        bounds = Boundaries(model, calib, batch_size)
+        boundary_s = time.perf_counter() - start
+        for _ in range(warmup):
+            candidate_ppl(model, calib, bounds, order[0], grid[0], batch_size)
+            candidate_ppl(model, calib, None, order[0], grid[0], batch_size)
+        k = 0
+        for layer in tqdm(order, desc="α search, cached vs naive"):
+            scores = {"cached": [], "naive": []}
+            with harp_applied(model, list(chosen), chosen):
+                for alpha in grid:
+                    runs = [("cached", bounds), ("naive", None)]
+                    for name, b in runs if k % 2 == 0 else runs[::-1]:
+                        start = time.perf_counter()
+                        scores[name].append(candidate_ppl(model, calib, b, layer, alpha, batch_size))
+                        times[name].append(time.perf_counter() - start)
+                    k += 1
+            cached, naive = pick(grid, scores["cached"]), pick(grid, scores["naive"])
+            same &= cached == naive
+            worst = max([worst] + [abs(a / b - 1) for a, b in zip(scores["cached"], scores["naive"], strict=True)])
+            history += [dict(layer=layer, alpha=a, calib_ppl=c, naive_ppl=v, chosen=a == cached)
+                        for a, c, v in zip(grid, scores["cached"], scores["naive"], strict=True)]
+            chosen[layer] = cached
+    cached_s, naive_s = boundary_s + sum(times["cached"]), sum(times["naive"])
+    flop_ratio = search_flops(model.config, order, len(grid), calib.shape[1])["predicted_ratio"]
+    per_candidate = [v / c for c, v in zip(times["cached"], times["naive"], strict=True)]
+    return {"alphas": dict(sorted(chosen.items())), "cached_s": cached_s, "naive_s": naive_s,
+            "boundary_s": boundary_s, "measured_ratio": naive_s / cached_s, "flop_ratio": flop_ratio,
+            "measured_over_flop": naive_s / cached_s / flop_ratio,
+            "median_candidate_ratio": statistics.median(per_candidate), "same_alphas": bool(same),
+            "max_rel_ppl_diff": worst, "candidates": len(per_candidate), "threads": n_threads, "history": history}

@@ -24,6 +24,17 @@ def test_prune_and_ppl_round_trip(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["ppl"] == pytest.approx(pruned["ppl_after"], rel=1e-6)
 
 
+@pytest.mark.slow
+def test_search_benchmark_prints_both_times_interleaved(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["search", "--model", "smollm2-135m", "--layers", "top:2", "--grid", "0,1", "--compare-naive",
+                 "--threads", "1", "--n-windows", "1", "--seq-len", "32", "--out", str(plan)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["same_alphas"] is True and out["threads"] == 1 and out["candidates"] == 4
+    assert out["measured_ratio"] == pytest.approx(out["naive_s"] / out["cached_s"]) and out["flop_ratio"] > 1
+    assert json.loads(plan.read_text())["alphas"] == {str(k): v for k, v in out["alphas"].items()}
+
+
 def test_bad_input_gives_one_error(capsys):
     assert main(["prune", "--model", "not-a-model", "--layers", "top:2"]) == 2
     assert "packaged names" in json.loads(capsys.readouterr().err)["error"]

@@ -9,8 +9,9 @@ from transformers import LlamaConfig
 
 from harp_src import apply_harp, load_model, perplexity, ppl_windows
 from harp_src.flops import layer_flops, model_flops, search_flops, speedup_bound
-from harp_src.prefix import Boundaries, ppl_of_plan
-from harp_src.search import closed_form_alphas, refine_alphas, search_alphas
+from harp_src.models import get_adapter
+from harp_src.prefix import Boundaries, chunked_nll, ppl_of_plan
+from harp_src.search import benchmark_search, closed_form_alphas, refine_alphas, search_alphas
 
 
 def calib(n=4, t=24, seed=0):
@@ -169,3 +170,28 @@ def test_smollm2_cached_search_equals_naive():
     cached = search_alphas(model, windows, "top:2", grid)
     assert cached == search_alphas(model, windows, "top:2", grid, cache_prefix=False)
     assert all(math.isfinite(a) for a in cached.values())
+
+
+def test_interleaved_benchmark_times_both_and_agrees_with_the_search(family):
+    model = make_tiny(family)
+    history = []
+    expected = search_alphas(model, calib(), [1, 2, 3], grid=(0.0, 0.5, 1.0), history=history)
+    bench = benchmark_search(model, calib(), [1, 2, 3], grid=(0.0, 0.5, 1.0), threads=1, warmup=1)
+    assert bench["same_alphas"] is True and bench["alphas"] == expected
+    assert bench["cached_s"] > 0 and bench["naive_s"] > 0 and bench["threads"] == 1
+    assert bench["measured_ratio"] == pytest.approx(bench["naive_s"] / bench["cached_s"])
+    assert bench["candidates"] == 9 and bench["max_rel_ppl_diff"] < 1e-6
+    assert [r["calib_ppl"] for r in bench["history"]] == pytest.approx([r["calib_ppl"] for r in history], rel=1e-9)
+    assert bench["flop_ratio"] == pytest.approx(search_flops(model.config, [3, 2, 1], 3, 24)["predicted_ratio"])
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 1000])
+def test_chunked_nll_equals_one_lm_head_call(family, chunk):
+    model = make_tiny(family)
+    ids = calib(3, 24)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        full = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
+                                                 reduction="sum").item()
+        normed = model.get_decoder()(input_ids=ids).last_hidden_state
+    assert chunked_nll(get_adapter(model), normed, ids, chunk) == pytest.approx(full, rel=1e-6)
