@@ -125,9 +125,12 @@ def taylor_head_scores(model, windows: torch.Tensor, normalise: bool = True, pro
                        ) -> torch.Tensor:
     """Masking confidence E_x |∂L(x)/∂ξ_h| [n_layers, n_heads]; with `normalise`, each layer divided by its L2 norm."""
     scores = gate_gradients(model, windows, progress).abs().mean(0).double()
-    if normalise:
-        scores = scores / scores.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    return scores
+    return per_layer_l2(scores) if normalise else scores
+
+
+def per_layer_l2(scores: torch.Tensor) -> torch.Tensor:
+    """Each layer's row of head scores [n_layers, n_heads] divided by its L2 norm (Michel et al.'s normalisation)."""
+    return scores / scores.norm(dim=1, keepdim=True).clamp_min(1e-30)
 
 
 # ---------------------------------------------------------------------------------------------- attention patterns

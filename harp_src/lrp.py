@@ -10,7 +10,7 @@ s, i.e. y.detach() + s − s.detach(), implemented exactly (no rounding of the v
    through Q or K. `lrp_attention_forward` is transformers' eager attention (repeat_kv, scaling, soft-capping,
    additive mask incl. sliding window, fp32 softmax, dropout) with `probs.detach()`; it is registered under
    `LRP_ATTENTION` with `AttentionInterface` and, with transformers' eager mask, with `AttentionMaskInterface`.
-2. Norms (every module whose class name ends in "RMSNorm": input/post-attention norms, Gemma's pre/post-feedforward
+2. Norms (`Adapter.norm_modules`, every RMSNorm: input/post-attention norms, Gemma's pre/post-feedforward
    and q/k norms, the final norm): the normalising factor rsqrt(mean x² + eps) is a constant (the LN-rule of Ali et
    al. and AttnLRP's identity rule for normalisation), so the gradient is out / x elementwise; this holds for
    Gemma's (1 + w) scale as well.
@@ -187,12 +187,11 @@ def lrp_rules(model: nn.Module) -> Iterator[None]:
     adapter = get_adapter(model)
     with ExitStack() as stack:
         stack.enter_context(_attention_implementation(model, LRP_ATTENTION))
-        for module in model.modules():
-            if type(module).__name__.endswith("RMSNorm"):
-                stack.callback(module.register_forward_hook(_identity_hook, with_kwargs=True).remove)
+        for module in adapter.norm_modules():
+            stack.callback(module.register_forward_hook(_identity_hook, with_kwargs=True).remove)
         for i in range(adapter.n_layers):
             _install_mlp_rules(adapter.mlp(i), stack)
-        cap = getattr(adapter.config, "final_logit_softcapping", None)
+        cap = adapter.logit_softcap
         if cap:
             stack.callback(model.get_output_embeddings().register_forward_hook(softcap_identity_hook(cap)).remove)
         yield

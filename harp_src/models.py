@@ -397,8 +397,17 @@ class Adapter:
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """LM head and (Gemma-2) logit soft-capping of final-normed states [..., d] (the decoder's output)."""
         logits = self.model.get_output_embeddings()(normed)
-        cap = getattr(self.config, "final_logit_softcapping", None)
+        cap = self.logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """Gemma-2's final logit soft-capping c (logits → c · tanh(l / c)), or None where the family has none."""
+        return getattr(self.config, "final_logit_softcapping", None) or None
+
+    def norm_modules(self) -> list[nn.Module]:
+        """Every RMSNorm of the model: layer norms (Gemma's sandwich and q/k norms included) and the final norm."""
+        return [m for m in self.model.modules() if type(m).__name__.endswith("RMSNorm")]
 
     @property
     def sliding_window(self) -> int | None:

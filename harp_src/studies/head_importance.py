@@ -32,6 +32,7 @@ from ..heads import (
     gate_gradients,
     head_statistics,
     most_redundant,
+    per_layer_l2,
     slice_off_heads,
     taylor_head_scores,
 )
@@ -50,18 +51,26 @@ MIN_WINDOWS = 10  # fewer paired windows than this: an interval is reported but 
 
 
 # ---------------------------------------------------------------------------------------------- scores
-def keep_scores(raw: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
-    """Keep scores (higher = keep) per pruning metric from the raw per-head statistics.
+def keep_score(metric: str, raw: dict[str, torch.Tensor], seed: int = 0) -> torch.Tensor:
+    """Keep scores (higher = keep) of one pruning metric from the raw per-head statistics it needs.
 
     taylor (normalised per layer, as Michel et al.), taylor_raw (not normalised: one scale over all layers), lrp: as
-    measured; entropy: 1 − normalised entropy (near-uniform averaging heads go first); sink:
-    1 − mass on the first token (degenerate sink heads go first); random: uniform noise (seeded).
+    measured; entropy: 1 − normalised entropy (near-uniform averaging heads go first); sink: 1 − mass on the first
+    token (degenerate sink heads go first); random: uniform noise (seeded), shaped like any raw statistic.
     """
-    shape = raw["taylor"].shape
-    noise = torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return {"taylor": raw["taylor"].double(), "taylor_raw": raw["taylor_raw"].double(), "lrp": raw["lrp"].double(),
-            "entropy": 1 - raw["entropy_norm"].double(),
-            "sink": 1 - raw["sink"].double(), "random": noise}
+    if metric in ("taylor", "taylor_raw", "lrp"):
+        return raw[metric].double()
+    if metric == "entropy":
+        return 1 - raw["entropy_norm"].double()
+    if metric == "sink":
+        return 1 - raw["sink"].double()
+    shape = next(iter(raw.values())).shape
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def keep_scores(raw: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
+    """`keep_score` of every metric of HEAD_METRICS."""
+    return {m: keep_score(m, raw, seed) for m in HEAD_METRICS}
 
 
 def _grid(heads: pd.DataFrame, column: str, shape) -> torch.Tensor:
@@ -77,7 +86,7 @@ def head_scores(model, calib: torch.Tensor, progress: bool = True) -> tuple[dict
     ad = get_adapter(model)
     heads, pairs = head_statistics(model, calib, progress)
     grads = gate_gradients(model, calib, progress).abs().mean(0).double()
-    raw = {"taylor": grads / grads.norm(dim=1, keepdim=True).clamp_min(1e-30), "taylor_raw": grads,
+    raw = {"taylor": per_layer_l2(grads), "taylor_raw": grads,
            "lrp": lrp_head_scores(model, calib, progress=progress).double()}
     raw |= {c: _grid(heads, c, (ad.n_layers, ad.n_heads)) for c in ("entropy", "entropy_norm", "sink", "self")}
     return raw, pairs
@@ -185,13 +194,12 @@ def _rescore(model, metric: str, calib, seed: int) -> torch.Tensor:
         return taylor_head_scores(model, calib, normalise=metric == "taylor", progress=False)
     if metric == "lrp":
         return lrp_head_scores(model, calib, progress=False).double()
-    heads, _ = head_statistics(model, calib, progress=False)
     ad = get_adapter(model)
     shape = (ad.n_layers, ad.n_heads)
-    raw = {"taylor": torch.zeros(shape), "taylor_raw": torch.zeros(shape), "lrp": torch.zeros(shape),
-           "entropy_norm": _grid(heads, "entropy_norm", shape),
-           "sink": _grid(heads, "sink", shape)}
-    return keep_scores(raw, seed)[metric]
+    if metric == "random":
+        return keep_score(metric, {"shape": torch.empty(shape)}, seed)
+    heads, _ = head_statistics(model, calib, progress=False)
+    return keep_score(metric, {c: _grid(heads, c, shape) for c in ("entropy_norm", "sink")}, seed)
 
 
 def iterative_rows(dense, metric: str, target: float, step: float, calib, ft_windows, spec: FinetuneSpec, test,
@@ -322,7 +330,8 @@ def heads_attention_flops(config, kept: dict[int, int], seq_len: int, past: int 
 
 
 def bypass_flops(config, alphas: dict[int, float], seq_len: int, past: int = 0) -> float:
-    """Attention FLOPs of all layers under a HARP plan: dense layers in full, bypassed ones V and O only."""
+    """Attention FLOPs of all layers under a HARP plan: dense layers in full, bypassed ones V and O only (an empty
+    plan gives the dense model's attention FLOPs)."""
     total = 0.0
     for i in range(text_config(config).num_hidden_layers):
         if i in alphas:
