@@ -1,7 +1,7 @@
 """Command line: `python -m harp_src prune|search|ppl|timing ...`, each printing one JSON object.
 
-    python -m harp_src prune --model smollm2-135m --layers top:8 --alphas 1.0 --out plan.json [--ppl]
-    python -m harp_src search --model smollm2-135m --layers top:8 --out plan.json [--compare-naive]
+    python -m harp_src prune --model smollm2-135m --layers top:8 --alphas 1.0 --out plan.json [--ppl] [--save DIR]
+    python -m harp_src search --model smollm2-135m --layers top:8 --out plan.json [--compare-naive] [--save DIR]
     python -m harp_src ppl --model smollm2-135m [--plan plan.json] [--corpus lee]
     python -m harp_src timing --model smollm2-135m --layers top:8 --seq-lens 1024,4096,16384 [--csv rows.csv]
     python -m harp_src evalbench --model smollm2-135m --tasks arc_easy --limit 200 [--fewshot 0] [--threads 2]
@@ -15,6 +15,7 @@ import json
 import sys
 import time
 
+from .checkpoints import save_checkpoint
 from .data import ppl_windows
 from .evalbench import bench_task, check_task
 from .evaluate import perplexity
@@ -70,6 +71,8 @@ def cmd_prune(args) -> dict:
     if args.out:
         plan.to_json(args.out)
         out["plan"] = args.out
+    if args.save:
+        out["checkpoint"] = save_checkpoint(model, args.save, tok)
     return out
 
 
@@ -110,6 +113,9 @@ def cmd_search(args) -> dict:
     if args.out:
         plan.to_json(args.out)
         out["plan"] = args.out
+    if args.save:
+        plan.apply(model)  # the search left the model dense
+        out["checkpoint"] = save_checkpoint(model, args.save, tok)
     return out
 
 
@@ -156,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--no-fold", action="store_true", help="keep the repeat and α outside the weights")
     prune.add_argument("--ppl", action="store_true", help="also measure test PPL before and after")
     prune.add_argument("--out", help="write the plan (JSON) here")
+    prune.add_argument("--save", help="write the pruned model here as a checkpoint (from_pretrained loads it)")
     _windows_args(prune)
     prune.set_defaults(func=cmd_prune)
     search = sub.add_parser("search", help="greedy top-down α search on enwiki-train windows; save the plan")
@@ -167,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "times, ratio, FLOP ratio, same_alphas")
     search.add_argument("--threads", type=int, default=2, help="torch intra-op threads, fixed for both (benchmark)")
     search.add_argument("--out", help="write the plan (JSON) here")
+    search.add_argument("--save", help="write the model pruned with the searched α's here as a checkpoint")
     _windows_args(search)
     search.set_defaults(func=cmd_search)
     ppl = sub.add_parser("ppl", help="test perplexity of a model, optionally with a saved plan applied")

@@ -50,7 +50,8 @@ from .analysis import layer_metrics
 from .evaluate import check_windows
 from .files import write_text
 from .harp import HarpPlan, mark_kv_free, param_report
-from .models import Adapter, fingerprint, get_adapter
+from .modeling_harp import mark_pruned
+from .models import PLAN_RESTORERS, Adapter, fingerprint, get_adapter
 from .slicing import Units, attention_is_dense, keep_channels, keep_heads, mlp_is_dense, units
 
 FINE = ("mag-sp", "wanda-sp", "flap", "llm-pruner")
@@ -182,6 +183,14 @@ def _finish(model: nn.Module, record: PruneRecord) -> None:
     if gone:
         mark_kv_free(model, gone)  # an attention sub-layer with no head left keeps no KV cache
     model.prune_record = record
+    mark_pruned(model)  # model.save_pretrained now writes a pruned checkpoint
+
+
+def _restore_record(model: nn.Module, record: dict) -> None:
+    model.prune_record = PruneRecord.from_dict(record)
+
+
+PLAN_RESTORERS["baseline"] = _restore_record
 
 
 # ---------------------------------------------------------------------------------------------- budgets

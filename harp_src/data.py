@@ -139,6 +139,39 @@ def ppl_windows(
     return torch.from_numpy(windows)
 
 
+def disjoint_samples(pool: torch.Tensor, n_samples: int, sizes: list[int]) -> dict[int, list[torch.Tensor]]:
+    """`n_samples` disjoint calibration samples of each size (in windows) cut from one pool of distinct windows
+    (`ppl_windows(tok, "enwiki", "train", ...)`): sample s of every size starts at window s · max(sizes), so the
+    samples of one size share no window and the smaller sizes are nested in the larger ones (paired across sizes).
+
+    Returns:
+        {size: [n_samples tensors of shape [size, T]]}; the pool's windows from n_samples · max(sizes) on are unused.
+    """
+    sizes = sorted({int(n) for n in sizes})
+    if int(n_samples) < 1 or not sizes or sizes[0] < 1:
+        raise ValueError(f"need n_samples >= 1 and sizes >= 1, got {n_samples} and {sizes}")
+    stride = sizes[-1]
+    if n_samples * stride > len(pool):
+        raise ValueError(f"{n_samples} disjoint samples of {stride} windows need {n_samples * stride} windows, the "
+                         f"pool has {len(pool)}: draw a larger pool or ask for fewer or smaller samples")
+    return {n: [pool[s * stride : s * stride + n] for s in range(n_samples)] for n in sizes}
+
+
+def calibration_samples(tok, n_samples: int, sizes: list[int], seq_len: int, seed: int = 0, extra: int = 0
+                        ) -> tuple[dict[int, list[torch.Tensor]], torch.Tensor]:
+    """`n_samples` disjoint enwiki-*train* samples of each size in `sizes` (windows of `seq_len` tokens; see
+    `disjoint_samples`), and one more sample of `extra` windows disjoint from all of them.
+
+    Returns:
+        ({size: [n_samples tensors [size, seq_len]]}, the extra sample [extra, seq_len])
+    """
+    stride = max(int(n) for n in sizes) if len(sizes) else 0
+    if int(extra) < 0:
+        raise ValueError(f"extra must be >= 0 windows, got {extra}")
+    pool = ppl_windows(tok, "enwiki", "train", max(1, n_samples * stride + int(extra)), seq_len, seed)
+    return disjoint_samples(pool, n_samples, sizes), pool[n_samples * stride :]
+
+
 def build_manifest() -> dict:
     """Re-extract every split and write data/manifest.json (run after changing the extraction rules)."""
     files = {}

@@ -19,39 +19,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from .files import write_text
-from .models import Adapter, fingerprint, get_adapter, repeat_heads, text_config
+from .modeling_harp import BypassAttention, DroppedAttention, mark_pruned
+from .models import PLAN_RESTORERS, Adapter, fingerprint, get_adapter, text_config
 
 
 # ---------------------------------------------------------------------------------------------- modules
-class BypassAttention(nn.Module):
-    """Attention with the attention matrix fixed to the identity: each token is mixed only with itself.
-
-    `n_rep > 1` repeats KV heads before o_proj (unfolded form); folded, o_proj already sums the repeated
-    heads and `n_rep == 1`. `scale` is α when it is not folded into the weights.
-    """
-
-    def __init__(self, v_proj: nn.Linear, o_proj: nn.Linear, head_dim: int, n_rep: int, scale: float | None):
-        super().__init__()
-        self.v_proj, self.o_proj = v_proj, o_proj
-        self.head_dim, self.n_rep, self.scale = head_dim, n_rep, scale
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
-        out = self.o_proj(repeat_heads(self.v_proj(hidden_states), self.head_dim, self.n_rep))
-        if self.scale is not None:
-            out = out * self.scale
-        return out, None  # no attention weights exist: output_attentions cannot bring attention back
-
-    def extra_repr(self) -> str:
-        return f"n_rep={self.n_rep}, scale={self.scale}"
-
-
-class DroppedAttention(nn.Module):
-    """α = 0: the attention sub-layer is gone; it adds nothing to the residual stream."""
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
-        return torch.zeros_like(hidden_states), None
-
-
 def is_pruned(attention: nn.Module) -> bool:
     """Whether a layer's attention module (`Adapter.attention(i)`) is a HARP bypass or dropped."""
     return isinstance(attention, (BypassAttention, DroppedAttention))
@@ -243,7 +215,15 @@ def apply_harp(
     previous = getattr(model, "harp_plan", None)
     model.harp_plan = plan if previous is None else HarpPlan(
         plan.fingerprint, {**previous.alphas, **alphas}, fold, {**previous.meta, **plan.meta})
+    mark_pruned(model)  # model.save_pretrained now writes a pruned checkpoint
     return plan
+
+
+def _restore_plan(model: nn.Module, plan: dict) -> None:
+    model.harp_plan = HarpPlan.from_dict(plan)
+
+
+PLAN_RESTORERS["harp"] = _restore_plan
 
 
 # ---------------------------------------------------------------------------------------------- accounting

@@ -20,6 +20,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .files import atomic_path, write_json
+from .modeling_harp import CLASSES, PLAN, STRUCTURE, Scaled, repeat_heads
+
+# How a pruned checkpoint's plan (config.json `harp_plan`, {kind: dict}) becomes the object pruning would have left
+# on the model: harp.py registers "harp" (HarpPlan), baselines.py "baseline" (PruneRecord).
+PLAN_RESTORERS: dict = {}
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,7 +181,7 @@ def load_model(
     name_or_path: str = "smollm2-135m",
     dtype: torch.dtype | str = torch.float32,
     device: str | None = "cpu",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     device_map: str | dict | None = None,
 ):
     """Load a causal LM and its tokenizer.
@@ -186,7 +191,8 @@ def load_model(
             directory, or a Hub id.
         dtype: torch dtype (or its name, e.g. "bfloat16").
         device: where to put the model ("cpu", "cuda"); ignored when `device_map` is given.
-        attn_implementation: "sdpa" or "eager" (any transformers backend name).
+        attn_implementation: "sdpa", "eager" (any transformers backend name); None: transformers' choice
+            (sdpa where the family supports it, e.g. not Gemma-2, whose soft-capping needs eager).
         device_map: passed to transformers/accelerate, e.g. "auto" to spread a large model over GPUs.
 
     Returns:
@@ -195,17 +201,31 @@ def load_model(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     source, provenance = resolve_source(name_or_path)
-    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
+    kwargs = {"dtype": dtype} | ({"attn_implementation": attn_implementation} if attn_implementation else {})
     if device_map is not None:
         kwargs["device_map"] = device_map
-    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    config = transformers.AutoConfig.from_pretrained(source)
+    pruned = getattr(config, STRUCTURE, None)
+    model_class = _checkpoint_class(config) if pruned else AutoModelForCausalLM
+    model = model_class.from_pretrained(source, **kwargs)
     if device_map is None and device is not None:
         model = model.to(device)
     model.eval()
     get_adapter(model)  # fail early on an unsupported family
+    for kind, plan in (getattr(config, PLAN, None) or {}).items():
+        PLAN_RESTORERS[kind](model, plan)
     tok = AutoTokenizer.from_pretrained(source)
     model.harp_source = provenance
+    model.harp_tokenizer = tok  # so that model.save_pretrained(dir) of a pruned model writes it too
     return model, tok
+
+
+def _checkpoint_class(config) -> type:
+    """The pruned-checkpoint class a config.json names in its auto_map (this repository's own copy of it)."""
+    name = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM", "").rpartition(".")[2]
+    if name not in CLASSES:
+        raise ValueError(f"this pruned checkpoint names model class {name!r}; supported are {sorted(CLASSES)}")
+    return CLASSES[name]
 
 
 # ---------------------------------------------------------------------------------------------- the adapter
@@ -253,17 +273,6 @@ def head_dim(config) -> int:
     """Width of one attention head: the config's `head_dim` where it sets one (Gemma), else hidden / heads."""
     cfg = text_config(config)
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-class Scaled(nn.Module):
-    """Multiply a module's output by α (Gemma's unfolded form: α after the post-attention norm)."""
-
-    def __init__(self, inner: nn.Module, scale: float):
-        super().__init__()
-        self.inner, self.scale = inner, scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x) * self.scale
 
 
 class Adapter:
@@ -417,13 +426,6 @@ class Adapter:
         if layer_types is not None:
             return cfg.sliding_window if "sliding_attention" in layer_types else None
         return getattr(cfg, "sliding_window", None)
-
-
-def repeat_heads(v: torch.Tensor, head_dim: int, n_rep: int) -> torch.Tensor:
-    """[..., kv·hd] -> [..., kv·n_rep·hd]; query head g reads KV head g // n_rep, as `repeat_kv` does."""
-    if n_rep == 1:
-        return v
-    return v.unflatten(-1, (-1, head_dim)).repeat_interleave(n_rep, dim=-2).flatten(-2)
 
 
 def get_adapter(model: nn.Module) -> Adapter:

@@ -290,3 +290,80 @@ def curves_with_intervals(df: pd.DataFrame, x: str, y: str, low: str, high: str,
     fig.suptitle(title, y=1.02)
     fig.tight_layout()
     return fig
+
+
+def _tokens_label(n: int) -> str:
+    return f"{n / 1024:g}k tokens" if n >= 1024 else f"{n} tokens"
+
+
+def alpha_spread(df: pd.DataFrame, title: str, band: str, x: str = "rank_from_top", hue: str = "sample"):
+    """α per layer across calibration samples: one row of panels per model, one panel per calibration size.
+    Rows whose method is `band` are drawn as grey 5–95 % bars (alpha_low..alpha_high, median marked); the other
+    methods as markers (one marker shape per method, one colour per `hue` value, dodged)."""
+    set_theme()
+    models = list(dict.fromkeys(df.model))
+    sizes = {m: sorted(df[df.model == m].calib_tokens.unique()) for m in models}
+    ncols = max(len(s) for s in sizes.values())
+    fig, axes = plt.subplots(len(models), ncols, figsize=(3.3 * ncols, 3.0 * len(models)), squeeze=False,
+                             sharey=True)
+    points = df[df.method != band]
+    hues = list(dict.fromkeys(points[hue]))
+    colors = dict(zip(hues, sns.color_palette("colorblind", len(hues)), strict=True))
+    marks = dict(zip(dict.fromkeys(points.method), ["o", "x", "s", "^"], strict=False))
+    for r, model in enumerate(models):
+        for c in range(ncols):
+            ax = axes[r, c]
+            if c >= len(sizes[model]):
+                ax.set_visible(False)
+                continue
+            part = df[(df.model == model) & (df.calib_tokens == sizes[model][c])]
+            bar = part[part.method == band]
+            ax.vlines(bar[x], bar.alpha_low, bar.alpha_high, color="0.6", lw=6, alpha=0.6,
+                      label="bootstrap 5–95 %" if len(bar) else None)
+            ax.scatter(bar[x], bar.alpha, marker="_", color="0.3", s=80)
+            for k, h in enumerate(hues):
+                for method, mark in marks.items():
+                    p = part[(part[hue] == h) & (part.method == method)]
+                    ax.scatter(p[x] + 0.12 * (k - (len(hues) - 1) / 2), p.alpha, marker=mark, s=22,
+                               color=colors[h], label=f"{method} · {h}" if len(p) else None)
+            ax.set(title=f"{model}, {_tokens_label(sizes[model][c])}", xlabel="layer rank from the top (1 = last)",
+                   ylabel="α" if c == 0 else "", ylim=(-0.05, 1.05))
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    handles = {}
+    for ax in axes.flat:
+        for hd, lb in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lb, hd)
+    fig.legend(handles.values(), handles.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95))
+    fig.suptitle(title, y=1.01)
+    fig.tight_layout()
+    return fig
+
+
+def quality_by_sample(df: pd.DataFrame, title: str, y: str, low: str, high: str, ylabel: str):
+    """One panel per model: `y` with its interval (low..high) per calibration size (x), one colour per method,
+    the samples of a size dodged side by side."""
+    set_theme()
+    models = list(dict.fromkeys(df.model))
+    methods = list(dict.fromkeys(df.method))
+    colors = dict(zip(methods, sns.color_palette("colorblind", len(methods)), strict=True))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.6 * len(models), 4.0), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        part = df[df.model == model]
+        sizes = sorted(part.calib_tokens.unique())
+        for c, size in enumerate(sizes):
+            at = part[part.calib_tokens == size]
+            groups = list(at.groupby(["method", "sample"], sort=False))
+            for k, ((method, _), g) in enumerate(groups):
+                pos = c - 0.35 + 0.7 * (k + 0.5) / len(groups)
+                ax.errorbar([pos], g[y], yerr=[g[y] - g[low], g[high] - g[y]], fmt="o", ms=4, capsize=2,
+                            color=colors[method], label=method)
+        ax.set_xticks(range(len(sizes)), [_tokens_label(s) for s in sizes])
+        ax.set(title=model, xlabel="calibration tokens (one marker per sample)", ylabel=ylabel)
+    handles = {}
+    for ax in axes.flat:
+        for hd, lb in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lb, hd)
+    axes[0, -1].legend(handles.values(), handles.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.suptitle(title, y=1.02)
+    fig.tight_layout()
+    return fig

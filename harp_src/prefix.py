@@ -20,17 +20,22 @@ from .models import get_adapter, text_config
 CHUNK = 64  # positions per LM-head call: the [B · chunk × vocab] logits stay in cache instead of memory
 
 
-def chunked_nll(adapter, normed: torch.Tensor, ids: torch.Tensor, chunk: int = CHUNK) -> float:
-    """Summed next-token NLL of final-normed states [B, T, d] for `ids` [B, T], the LM head and log-softmax run on
-    `chunk` positions at a time: the same numbers as one call (up to summation order), without ever holding the
-    [B × T × vocab] logits."""
-    total = 0.0
+def window_nll(adapter, normed: torch.Tensor, ids: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """Summed next-token NLL per window [B] (float64) of final-normed states [B, T, d] for `ids` [B, T], the LM head
+    and log-softmax run on `chunk` positions at a time, so the [B × T × vocab] logits are never held at once."""
+    total = torch.zeros(ids.shape[0], dtype=torch.float64)
     for start in range(0, ids.shape[1] - 1, chunk):
         end = min(start + chunk, ids.shape[1] - 1)
         logits = adapter.head_logits(normed[:, start:end])
-        total += F.cross_entropy(logits.flatten(0, 1).float(), ids[:, start + 1 : end + 1].flatten(),
-                                 reduction="sum").item()
+        nll = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, start + 1 : end + 1].flatten(), reduction="none")
+        total += nll.view(ids.shape[0], -1).sum(-1).double().cpu()
     return total
+
+
+def chunked_nll(adapter, normed: torch.Tensor, ids: torch.Tensor, chunk: int = CHUNK) -> float:
+    """Summed next-token NLL over all windows: `window_nll` added up (the same number as one LM-head call, up to
+    summation order)."""
+    return float(window_nll(adapter, normed, ids, chunk).sum())
 
 
 class Boundaries:
@@ -61,18 +66,28 @@ class Boundaries:
                 h.remove()
         return inputs, kwargs
 
-    def nll_from(self, start: int) -> tuple[float, int]:
-        """Summed next-token NLL when running layers start..L-1 of the model as it is now."""
-        total, count = 0.0, 0
+    def window_nll_from(self, start: int) -> torch.Tensor:
+        """Summed next-token NLL per window [n_windows] (float64) when running layers start..L-1 of the model as it
+        is now."""
+        parts = []
         with torch.no_grad():
             for ids, inputs, kwargs in self.batches:
                 h = inputs[start]
                 for i in range(start, self.ad.n_layers):
                     out = self.ad.layers[i](h, **kwargs[i])
                     h = out[0] if isinstance(out, tuple) else out
-                total += chunked_nll(self.ad, self.ad.final_norm(h), ids, self.chunk)
-                count += ids[:, 1:].numel()
-        return total, count
+                parts.append(window_nll(self.ad, self.ad.final_norm(h), ids, self.chunk))
+        return torch.cat(parts)
+
+    @property
+    def n_predicted(self) -> int:
+        """Next-token predictions per window (T − 1)."""
+        return self.batches[0][0].shape[1] - 1
+
+    def nll_from(self, start: int) -> tuple[float, int]:
+        """Summed next-token NLL and the number of predicted tokens when running layers start..L-1."""
+        per_window = self.window_nll_from(start)
+        return float(per_window.sum()), len(per_window) * self.n_predicted
 
 
 @contextmanager

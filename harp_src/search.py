@@ -19,6 +19,8 @@ import statistics
 import time
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
@@ -62,6 +64,12 @@ def candidate_ppl(model, calib: torch.Tensor, bounds: Boundaries | None, layer: 
     return math.exp(nll / count)
 
 
+def candidate_window_nll(bounds: Boundaries, layer: int, alpha: float) -> torch.Tensor:
+    """Summed NLL per calibration window [n_windows] with `layer` bypassed at `alpha` (cached boundary)."""
+    with harp_applied(bounds.model, [layer], {layer: alpha}):
+        return bounds.window_nll_from(layer)
+
+
 def pick(grid: tuple[float, ...], scores: list[float]) -> float:
     """The grid value with the lowest score; ties go to the smaller α."""
     return grid[min(range(len(grid)), key=lambda k: (scores[k], grid[k]))]
@@ -76,6 +84,7 @@ def search_alphas(
     batch_size: int = 4,
     history: list | None = None,
     memo: dict | None = None,
+    window_nll: dict | None = None,
 ) -> dict[int, float]:
     """Greedy top-down α search minimising calibration perplexity; the model is left unchanged.
 
@@ -88,9 +97,13 @@ def search_alphas(
         history: if a list is given, one dict per candidate is appended (layer, alpha, calib_ppl, chosen).
         memo: a dict reused across calls on the same model and calibration windows; a layer whose searched-before
             layers (and hence α's) match an earlier search is not searched again. Identical α's by construction.
+        window_nll: if a dict is given, {layer: array [len(grid), n_windows]} of every candidate's summed NLL per
+            calibration window (grid ascending), for `resample_search`; needs cache_prefix.
     Returns:
         {layer: α}
     """
+    if window_nll is not None and not cache_prefix:
+        raise ValueError("per-window NLLs are recorded by the cached search: use cache_prefix=True")
     order, grid = _setup(model, calib, layers, grid)
     memo = {} if memo is None else memo
     bounds = None
@@ -99,24 +112,73 @@ def search_alphas(
     for depth, layer in enumerate(order):
         key = (tuple(order[: depth + 1]), grid, batch_size, cache_prefix)
         if key in memo:
-            scores = memo[key]
             bar.update(len(grid))
         else:
             if cache_prefix and bounds is None:
                 bounds = Boundaries(model, calib, batch_size)
-            scores = []
+            scores, per_window = [], []
             with harp_applied(model, list(chosen), chosen):  # the layers above, pruned once for all candidates
                 for alpha in grid:
                     bar.set_postfix(layer=layer, alpha=alpha)
-                    scores.append(candidate_ppl(model, calib, bounds, layer, alpha, batch_size))
+                    if cache_prefix:
+                        per_window.append(candidate_window_nll(bounds, layer, alpha))
+                        scores.append(math.exp(float(per_window[-1].sum()) / (len(calib) * bounds.n_predicted)))
+                    else:
+                        scores.append(candidate_ppl(model, calib, None, layer, alpha, batch_size))
                     bar.update()
-            memo[key] = scores
+            memo[key] = (scores, torch.stack(per_window).numpy() if per_window else None)
+        scores, per_window = memo[key]
         chosen[layer] = pick(grid, scores)
+        if window_nll is not None:
+            window_nll[layer] = per_window
         if history is not None:
             history += [dict(layer=layer, alpha=a, calib_ppl=s, chosen=a == chosen[layer])
                         for a, s in zip(grid, scores, strict=True)]
     bar.close()
     return dict(sorted(chosen.items()))
+
+
+def bootstrap_counts(n_windows: int, n_draw: int, n_boot: int, seed: int = 0) -> np.ndarray:
+    """[n_boot, n_windows] counts: how often each of `n_windows` recorded windows is drawn in each of `n_boot`
+    resamples of `n_draw` windows with replacement (`n_draw` < `n_windows` is the m-out-of-n bootstrap, which
+    mimics a smaller calibration set)."""
+    if min(n_windows, n_draw, n_boot) < 1:
+        raise ValueError(f"need n_windows, n_draw and n_boot >= 1, got {n_windows}, {n_draw}, {n_boot}")
+    return np.random.default_rng(seed).multinomial(n_draw, np.full(n_windows, 1.0 / n_windows), size=n_boot)
+
+
+def resample_search(window_nll: dict[int, np.ndarray], counts: np.ndarray, grid: Sequence[float] = GRID
+                    ) -> pd.DataFrame:
+    """The greedy picks of a recorded search (`search_alphas(..., window_nll=...)`) re-made on reweighted
+    calibration windows: in each resample (a row of `counts`) every layer, top-down, takes the grid α with the
+    lowest count-weighted NLL (ties to the smaller α). No model runs, so thousands of resamples cost nothing.
+
+    One approximation: a layer's candidates were evaluated with the layers above at the recorded search's α's, so
+    a resample that picks differently above would have seen slightly different curves below. Check it against
+    real searches on fresh samples before trusting it (notebook 03 does).
+
+    Args:
+        window_nll: {layer: [len(grid), n_windows] summed NLL per window} from the search.
+        counts: [n_resamples, n_windows] non-negative weights per window, e.g. `bootstrap_counts`.
+        grid: the search's grid (sorted ascending as the search sorts it).
+    Returns:
+        DataFrame: replicate (row of counts), layer, alpha.
+    """
+    grid = _check_grid(grid)
+    counts = np.asarray(counts, dtype=np.float64)
+    if not window_nll:
+        raise ValueError("window_nll is empty: record it with search_alphas(..., window_nll={})")
+    for layer, table in window_nll.items():
+        if table is None or np.shape(table) != (len(grid), counts.shape[-1]):
+            raise ValueError(f"layer {layer}: recorded NLLs have shape {np.shape(table)}, expected "
+                             f"({len(grid)} grid values, {counts.shape[-1]} windows as in counts)")
+    if counts.ndim != 2 or (counts < 0).any() or (counts.sum(1) == 0).any():
+        raise ValueError("counts must be [n_resamples, n_windows], non-negative, each row drawing some window")
+    rows = []
+    for layer in sorted(window_nll, reverse=True):
+        picks = np.asarray(grid)[(counts @ np.asarray(window_nll[layer]).T).argmin(axis=1)]  # first = smaller α
+        rows.append(pd.DataFrame({"replicate": np.arange(len(counts)), "layer": layer, "alpha": picks}))
+    return pd.concat(rows, ignore_index=True)
 
 
 def refine_alphas(model, calib: torch.Tensor, alphas: dict[int, float], grid: Sequence[float] = GRID,

@@ -21,26 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .modeling_harp import Constant
 from .models import Adapter
-
-
-class Constant(nn.Module):
-    """A sub-layer pruned to nothing: it adds the same vector to every token (zeros when nothing is left).
-
-    `attention=True` returns (out, None) as attention modules do.
-    """
-
-    def __init__(self, value: torch.Tensor | None, hidden: int, attention: bool):
-        super().__init__()
-        self.attention, self.hidden = attention, hidden
-        self.value = None if value is None else nn.Parameter(value.detach().clone(), requires_grad=False)
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        out = torch.zeros_like(hidden_states) if self.value is None else self.value.expand_as(hidden_states)
-        return (out, None) if self.attention else out
-
-    def extra_repr(self) -> str:
-        return f"attention={self.attention}, constant={'none' if self.value is None else 'bias'}"
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from torch.testing import assert_close
 
 from harp_src import apply_harp, baselines
 from harp_src.baselines import METHODS, SCOPES, PruneRecord, capacity, compensation, prune
+from harp_src.modeling_harp import Constant
 from harp_src.models import fingerprint, get_adapter
-from harp_src.slicing import Constant, keep_channels, units
+from harp_src.slicing import keep_channels, units
 from harp_src.studies.equal_budget import HARP, pruned_key, variants, versus_harp
 from harp_src.timing import latency_pair
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from harp_src.data import MANIFEST, bos_id, corpus_text, ppl_windows
+from harp_src.data import MANIFEST, bos_id, calibration_samples, corpus_text, disjoint_samples, ppl_windows
 
 
 class ToyTokenizer:
@@ -59,3 +59,24 @@ def test_too_many_or_too_long_windows_are_refused():
         ppl_windows(tok, "wikitext", "test")
     with pytest.raises(ValueError, match="unknown split"):
         ppl_windows(tok, "enwiki", "validation")
+
+
+def test_calibration_samples_are_disjoint_nested_and_from_train_only():
+    tok = ToyTokenizer(bos=False)
+    samples, extra = calibration_samples(tok, 3, [2, 8], 200, seed=0, extra=5)  # long: no chance repeats
+    assert sorted(samples) == [2, 8] and extra.shape == (5, 200)
+    assert all(len(samples[n]) == 3 and all(s.shape == (n, 200) for s in samples[n]) for n in (2, 8))
+    as_text = [["".join(chr(int(i)) for i in w) for w in s] for s in [*samples[8], extra]]
+    flat = [w for s in as_text for w in s]
+    assert len(set(flat)) == len(flat) == 3 * 8 + 5  # no window in two samples, the extra one included
+    for small, large in zip(samples[2], samples[8], strict=True):
+        assert torch.equal(small, large[:2])  # sizes nested: sample s of 2 windows starts sample s of 8
+    # each window is one of the train split's aligned chunks (text can repeat across articles, e.g. tables, so the
+    # check is on positions in the token stream, not on strings)
+    ids = tok(corpus_text("enwiki", "train"))["input_ids"]
+    chunks = {tuple(ids[c : c + 200]) for c in range(0, len(ids) - 199, 200)}
+    assert all(tuple(int(i) for i in w) in chunks for s in [*samples[8], extra] for w in s)
+    with pytest.raises(ValueError, match="draw a larger pool"):
+        disjoint_samples(torch.zeros(10, 4, dtype=torch.long), 3, [4])
+    with pytest.raises(ValueError, match="n_samples >= 1"):
+        disjoint_samples(torch.zeros(10, 4, dtype=torch.long), 0, [4])

@@ -8,7 +8,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from harp_src import HarpPlan, apply_harp, load_model, param_report
-from harp_src.harp import BypassAttention, kv_cache_bytes, parse_layers
+from harp_src.harp import kv_cache_bytes, parse_layers
+from harp_src.modeling_harp import BypassAttention
 from harp_src.models import fingerprint, get_adapter
 from harp_src.paper import llama31_8b_config, official_llama31_8b_alphas
 

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_tiny
@@ -11,7 +12,14 @@ from harp_src import apply_harp, load_model, perplexity, ppl_windows
 from harp_src.flops import layer_flops, model_flops, search_flops, speedup_bound
 from harp_src.models import get_adapter
 from harp_src.prefix import Boundaries, chunked_nll, ppl_of_plan
-from harp_src.search import benchmark_search, closed_form_alphas, refine_alphas, search_alphas
+from harp_src.search import (
+    benchmark_search,
+    bootstrap_counts,
+    closed_form_alphas,
+    refine_alphas,
+    resample_search,
+    search_alphas,
+)
 
 
 def calib(n=4, t=24, seed=0):
@@ -52,8 +60,9 @@ def test_memo_reuses_shared_top_layers_and_changes_nothing(monkeypatch):
     model = make_tiny("gemma3")
     fresh = {tuple(s): search_alphas(model, calib(), s, grid=(0.0, 0.3, 0.6, 1.0)) for s in ([3, 2, 1], [3, 2, 0])}
     calls = []
-    original = prefix.Boundaries.nll_from
-    monkeypatch.setattr(prefix.Boundaries, "nll_from", lambda self, start: calls.append(start) or original(self, start))
+    original = prefix.Boundaries.window_nll_from
+    monkeypatch.setattr(prefix.Boundaries, "window_nll_from",
+                        lambda self, start: calls.append(start) or original(self, start))
     memo, history = {}, []
     deep = search_alphas(model, calib(), [3, 2, 1], grid=(0.0, 0.3, 0.6, 1.0), memo=memo)
     other = search_alphas(model, calib(), [3, 2, 0], grid=(0.0, 0.3, 0.6, 1.0), memo=memo, history=history)
@@ -195,3 +204,48 @@ def test_chunked_nll_equals_one_lm_head_call(family, chunk):
                                                  reduction="sum").item()
         normed = model.get_decoder()(input_ids=ids).last_hidden_state
     assert chunked_nll(get_adapter(model), normed, ids, chunk) == pytest.approx(full, rel=1e-6)
+
+
+def test_recorded_window_nlls_add_up_to_the_searched_perplexities(family):
+    model, windows, grid = make_tiny(family), calib(n=5), (0.0, 0.5, 1.0)
+    record, history = {}, []
+    alphas = search_alphas(model, windows, [1, 3], grid=grid, history=history, window_nll=record)
+    assert sorted(record) == [1, 3] and all(record[i].shape == (3, 5) for i in record)
+    for r in history:
+        total = record[r["layer"]][grid.index(r["alpha"])].sum()
+        assert math.exp(total / (5 * 23)) == pytest.approx(r["calib_ppl"], rel=1e-12)
+    # every window drawn once is the search itself
+    ones = resample_search(record, np.ones((1, 5)), grid)
+    assert dict(zip(ones.layer, ones.alpha, strict=True)) == alphas
+
+
+def test_a_resample_of_one_window_is_the_search_on_that_window():
+    """The top layer's candidates do not depend on any earlier choice: resampling window k alone must give the
+    α a fresh search on window k gives it."""
+    model, windows, grid = make_tiny("llama"), calib(n=4), (0.0, 0.25, 0.5, 0.75, 1.0)
+    record = {}
+    search_alphas(model, windows, [2, 3], grid=grid, window_nll=record)
+    picks = resample_search(record, np.eye(4), grid)
+    top = picks[picks.layer == 3].sort_values("replicate").alpha.tolist()
+    assert top == [search_alphas(model, windows[k : k + 1], [3], grid=grid)[3] for k in range(4)]
+
+
+def test_bootstrap_counts_draw_the_asked_number_of_windows():
+    counts = bootstrap_counts(10, 3, 500, seed=1)
+    assert counts.shape == (500, 10) and (counts.sum(1) == 3).all() and (counts >= 0).all()
+    assert np.array_equal(counts, bootstrap_counts(10, 3, 500, seed=1))
+    assert counts.sum(0).min() > 0  # every window gets drawn somewhere
+    with pytest.raises(ValueError, match=">= 1"):
+        bootstrap_counts(10, 0, 5)
+
+
+def test_bad_resampling_input():
+    record = {3: np.zeros((2, 4))}
+    with pytest.raises(ValueError, match="expected \\(3 grid values, 4 windows"):
+        resample_search(record, np.ones((1, 4)), (0.0, 0.5, 1.0))
+    with pytest.raises(ValueError, match="non-negative"):
+        resample_search(record, -np.ones((1, 4)), (0.0, 1.0))
+    with pytest.raises(ValueError, match="empty"):
+        resample_search({}, np.ones((1, 4)), (0.0, 1.0))
+    with pytest.raises(ValueError, match="cache_prefix=True"):
+        search_alphas(make_tiny("llama"), calib(), [3], cache_prefix=False, window_nll={})

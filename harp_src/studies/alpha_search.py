@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
+import numpy as np
 import pandas as pd
 
-from ..data import ppl_windows
+from ..data import calibration_samples, ppl_windows
+from ..evaluate import fidelity_windows, reference_states
 from ..harp import HarpPlan, param_report, parse_layers, quarter_depth
 from ..models import fingerprint, load_model, model_info
 from ..paper import LLAMA31_8B, official_llama31_8b_alphas
-from ..prefix import Boundaries, ppl_of_plan
-from ..search import closed_form_alphas, refine_alphas, search_alphas
+from ..prefix import Boundaries, harp_applied, ppl_of_plan
+from ..search import GRID, bootstrap_counts, closed_form_alphas, refine_alphas, resample_search, search_alphas
+from ..stats import mean_ci, paired_difference
 
 SEARCHED, CLOSED_FORM, REFINED = "HARP, searched α", "HARP, closed-form α*", "HARP, searched + refined α"
 
@@ -83,4 +87,203 @@ def summarise_alpha(tables: dict) -> dict:
         out[f"{name}/searched_alphas_top_first"] = [float(a) for a in part.sort_values("rank_from_top").alpha]
     for row in tables["timing"].itertuples():
         out[f"{row.model}/seconds/{row.method}"] = float(row.seconds)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ calibration size
+SEARCH, STAR, REPLICATE = "greedy search", "closed-form α*", "greedy search, bootstrap replicate"
+BOOT_BAND = "greedy search, bootstrap 5–95 %"
+QUALITY_BATCH = 2  # test windows per forward when measuring a plan's KL to dense
+
+
+def per_model(value, name: str):
+    """`value[name]` when a profile gives one value per model, else `value` itself."""
+    return value[name] if isinstance(value, dict) else value
+
+
+def _plan_windows(model, ref_states, test, alphas: dict[int, float]) -> pd.DataFrame:
+    """Per test window: KL to dense and NLL of the model with `alphas` applied. `model` stays the reference: its
+    dense final states were computed beforehand (`ref_states`) and the LM head is the same module either way."""
+    with harp_applied(model, list(alphas), alphas):
+        return fidelity_windows(model, model, test, batch_size=QUALITY_BATCH, ref_states=ref_states, progress=False)
+
+
+def _plan_rows(per_window: pd.DataFrame, alphas: dict[int, float], L: int, **keys) -> list[dict]:
+    """One row per layer of a plan, with the plan's test PPL and mean KL to dense (and its interval over windows)."""
+    kl, low, high = mean_ci(per_window.kl.to_numpy())
+    quality = dict(test_ppl=float(np.exp(per_window.nll.mean())), kl_to_dense=kl, kl_low=low, kl_high=high)
+    return [dict(**keys, layer=i, rank_from_top=L - i, alpha=a, **quality) for i, a in sorted(alphas.items())]
+
+
+def _spread(plans: pd.DataFrame, boot: pd.DataFrame, source: dict[str, dict[int, float]], step: float
+            ) -> pd.DataFrame:
+    """Per size, method and layer: how far the α's of disjoint samples (or bootstrap resamples) lie apart.
+
+    within_step: share of samples (resamples) whose α is within one grid step of the same method's α on the
+    largest sample (the bootstrap source)."""
+    rows = []
+    real = plans[plans.method.isin([SEARCH, STAR])]
+    for (tokens, method, layer), part in real.groupby(["calib_tokens", "method", "layer"]):
+        a = part.alpha.to_numpy()
+        rows.append(dict(calib_tokens=tokens, method=method, layer=layer, n=len(a), alpha_min=a.min(),
+                         alpha_max=a.max(), spread=a.max() - a.min(), std=a.std(ddof=1) if len(a) > 1 else 0.0,
+                         within_step=float(np.mean(np.abs(a - source[method][layer]) <= step + 1e-9))))
+    for (tokens, layer), part in boot.groupby(["calib_tokens", "layer"]):
+        a = part.alpha.to_numpy()
+        q05, q95 = np.quantile(a, [0.05, 0.95])
+        rows.append(dict(calib_tokens=tokens, method=BOOT_BAND, layer=layer, n=len(a), alpha_min=q05, alpha_max=q95,
+                         spread=q95 - q05, std=a.std(ddof=1),
+                         within_step=float(np.mean(np.abs(a - source[SEARCH][layer]) <= step + 1e-9))))
+    return pd.DataFrame(rows)
+
+
+def _agreement(plans: pd.DataFrame, boot: pd.DataFrame) -> pd.DataFrame:
+    """Bootstrap vs real resampling at each size that has both: per layer, the real searches' α's against the
+    bootstrap's 5–95 % range and standard deviation."""
+    rows = []
+    real = plans[plans.method == SEARCH]
+    for (tokens, layer), part in real.groupby(["calib_tokens", "layer"]):
+        b = boot[(boot.calib_tokens == tokens) & (boot.layer == layer)].alpha.to_numpy()
+        if len(b) == 0 or len(part) < 2:
+            continue
+        q05, q95 = np.quantile(b, [0.05, 0.95])
+        a = part.alpha.to_numpy()
+        rows.append(dict(calib_tokens=tokens, layer=layer, real_alphas=" ".join(f"{x:g}" for x in a),
+                         real_std=a.std(ddof=1), boot_std=b.std(ddof=1), boot_q05=q05, boot_q95=q95,
+                         real_inside=int(((a >= q05 - 1e-9) & (a <= q95 + 1e-9)).sum()), n_real=len(a)))
+    return pd.DataFrame(rows)
+
+
+def _moves(windows: pd.DataFrame) -> pd.DataFrame:
+    """Does test quality still depend on the calibration sample? Per size and method, the paired difference in
+    KL to dense (same test windows) between every two disjoint samples' plans."""
+    rows = []
+    for (tokens, method), part in windows.groupby(["calib_tokens", "method"]):
+        by_sample = {s: g.sort_values("window").kl.to_numpy() for s, g in part.groupby("sample")}
+        for a, b in itertools.combinations(sorted(by_sample), 2):
+            rows.append(dict(calib_tokens=tokens, method=method, sample_a=a, sample_b=b,
+                             **paired_difference(by_sample[a], by_sample[b])))
+    return pd.DataFrame(rows)
+
+
+def _model_calibration(name: str, spec: dict) -> dict:
+    """The calibration-size study of one model (see `calibration_study`)."""
+    model, tok = load_model(name, dtype=spec["dtype"], device=spec["device"])
+    L = fingerprint(model.config)["num_layers"]
+    layers = parse_layers(f"top:{spec['n_layers'] or quarter_depth(L)}", L)
+    sizes, boot_n, n_samples, seq_len = spec["sizes"], spec["boot_windows"], spec["n_samples"], spec["seq_len"]
+    samples, source_sample = calibration_samples(tok, n_samples, sizes, seq_len, spec["seed"], extra=boot_n)
+    runs = [(n, f"s{k + 1}", calib) for n in sorted(samples) for k, calib in enumerate(samples[n])]
+    runs.append((boot_n, "bootstrap source", source_sample))  # disjoint from every sample above
+    test = ppl_windows(tok, "enwiki", "test", spec["n_test"], seq_len, spec["seed"])
+    ref = reference_states(model, test, QUALITY_BATCH)
+    plans, windows, timing, record = [], [], [], {}
+
+    def evaluate(alphas, **keys):
+        per_window = _plan_windows(model, ref, test, alphas).assign(model=name, **keys)
+        windows.append(per_window)
+        plans.extend(_plan_rows(per_window, alphas, L, model=name, **keys))
+
+    for n, sample, calib in runs:
+        record = {}
+        start = time.perf_counter()
+        found = {SEARCH: search_alphas(model, calib, layers, window_nll=record)}
+        timing.append(dict(model=name, calib_tokens=n * seq_len, method=SEARCH, seconds=time.perf_counter() - start))
+        start = time.perf_counter()
+        found[STAR] = closed_form_alphas(model, calib, layers)
+        timing.append(dict(model=name, calib_tokens=n * seq_len, method=STAR, seconds=time.perf_counter() - start))
+        for method, alphas in found.items():
+            evaluate(alphas, calib_tokens=n * seq_len, sample=sample, method=method)
+    source = found  # the last run: the bootstrap source, the largest sample; `record` is its search
+    boot = []
+    for n in sorted({n for n in spec["boot_sizes"] if n < boot_n} | {boot_n}):
+        counts = bootstrap_counts(boot_n, n, spec["n_boot"], spec["seed"] + n)
+        boot.append(resample_search(record, counts, GRID).assign(calib_tokens=n * seq_len))
+    boot = pd.concat(boot, ignore_index=True).assign(model=name)
+    boot["rank_from_top"] = L - boot.layer
+    largest = boot[boot.calib_tokens == boot_n * seq_len]
+    for r in range(spec["boot_plans"]):
+        part = largest[largest.replicate == r]
+        evaluate(dict(zip(part.layer, part.alpha, strict=True)), calib_tokens=boot_n * seq_len,
+                 sample=f"resample {r + 1}", method=REPLICATE)
+    plans = pd.DataFrame(plans)
+    dense_ppl = float(np.exp(pd.concat(windows).drop_duplicates("window").nll_reference.mean()))
+    spread = _spread(plans, boot, source, step=GRID[1] - GRID[0]).assign(model=name)
+    agreement = _agreement(plans, boot).assign(model=name)
+    windows = pd.concat(windows, ignore_index=True)
+    info = model_info(model)
+    return {"plans": plans, "windows": windows, "bootstrap": boot, "spread": spread, "agreement": agreement,
+            "moves": _moves(windows[windows.method != REPLICATE]).assign(model=name), "timing": pd.DataFrame(timing),
+            "dense": pd.DataFrame([dict(model=name, test_ppl=dense_ppl, layers=" ".join(map(str, layers)))]),
+            "infos": [info]}
+
+
+def calibration_study(models: list[str], sizes, n_samples: int, boot_windows, n_test: int, seq_len: int, seed: int,
+                      dtype: str, device: str, n_layers: int = 0, n_boot: int = 1000, boot_plans: int = 3) -> dict:
+    """How many calibration tokens does the α search need? Per model, on the top-N layers (N = 0: depth · 8/32):
+
+    - greedy search and closed-form α* on `n_samples` disjoint enwiki-train samples of each size in `sizes`
+      (windows of `seq_len` tokens; a list, or one list per model);
+    - one more disjoint sample of `boot_windows` windows, searched once with per-window NLLs recorded and then
+      bootstrapped at its own size and at every size of any model's `sizes` below it (`resample_search`;
+      validated against the real samples);
+    - every plan's test PPL and KL to dense on `n_test` enwiki-test windows, and `boot_plans` bootstrap plans.
+
+    Returns:
+        dict of tables: plans (model, calib_tokens, sample, method, layer, alpha, test_ppl, kl_to_dense, …),
+        windows (per test window and plan), bootstrap (replicate, layer, alpha per size), spread, agreement,
+        moves (paired KL differences between samples), timing, dense, infos.
+    """
+    tables: dict[str, list] = {}
+    every_size = sorted({int(n) for name in models for n in per_model(sizes, name)})
+    for name in models:
+        spec = dict(sizes=list(per_model(sizes, name)), boot_windows=int(per_model(boot_windows, name)),
+                    boot_sizes=every_size,
+                    n_samples=n_samples, n_test=n_test, seq_len=seq_len, seed=seed, dtype=dtype, device=device,
+                    n_layers=n_layers, n_boot=n_boot, boot_plans=boot_plans)
+        for key, value in _model_calibration(name, spec).items():
+            tables.setdefault(key, []).append(value)
+    infos = [i for part in tables.pop("infos") for i in part]
+    return {k: pd.concat(v, ignore_index=True) for k, v in tables.items()} | {"infos": infos}
+
+
+def calibration_table(tables: dict) -> pd.DataFrame:
+    """What `plots.alpha_spread` draws: every plan's α per layer (with the plan's test PPL and KL to dense), and
+    per size and layer the bootstrap's median α with its 5–95 % range (alpha_low, alpha_high)."""
+    boot = tables["bootstrap"]
+    bands = (boot.groupby(["model", "calib_tokens", "layer", "rank_from_top"]).alpha
+             .agg(alpha="median", alpha_low=lambda a: a.quantile(0.05), alpha_high=lambda a: a.quantile(0.95))
+             .reset_index().assign(sample="bootstrap", method=BOOT_BAND))
+    return pd.concat([tables["plans"], bands], ignore_index=True)
+
+
+def plan_table(tables: dict) -> pd.DataFrame:
+    """One row per plan: model, calib_tokens, sample, method, test_ppl, kl_to_dense and its interval, α's."""
+    plans = tables["plans"]
+    keys = ["model", "calib_tokens", "sample", "method"]
+    first = plans.groupby(keys, sort=False)[["test_ppl", "kl_to_dense", "kl_low", "kl_high"]].first()
+    alphas = plans.sort_values("rank_from_top").groupby(keys, sort=False).alpha.agg(
+        lambda a: " ".join(f"{x:.2f}" for x in a)).rename("alphas_top_first")
+    return first.join(alphas).reset_index()
+
+
+def summarise_calibration(tables: dict) -> dict:
+    """Headline numbers per model and calibration size: how far α's of disjoint samples (and of bootstrap
+    resamples) lie apart, the test PPL range over samples, and how many sample-vs-sample differences in KL to dense
+    are decided."""
+    out = {}
+    spread, plans = tables["spread"], plan_table(tables)
+    for (name, tokens, method), part in spread.groupby(["model", "calib_tokens", "method"]):
+        if part.n.iloc[0] > 1:
+            out[f"{name}/calibration/{tokens}/{method}/max_spread"] = float(part.spread.max())
+            out[f"{name}/calibration/{tokens}/{method}/min_within_step"] = float(part.within_step.min())
+    for (name, tokens, method), part in plans.groupby(["model", "calib_tokens", "method"]):
+        out[f"{name}/calibration/{tokens}/{method}/test_ppl_range"] = [float(part.test_ppl.min()),
+                                                                       float(part.test_ppl.max())]
+    for (name, tokens, method), part in tables["moves"].groupby(["model", "calib_tokens", "method"]):
+        out[f"{name}/calibration/{tokens}/{method}/kl_pairs_decided"] = f"{int(part.decided.sum())} of {len(part)}"
+    for name, part in tables["agreement"].groupby("model"):
+        out[f"{name}/calibration/bootstrap_covers_real"] = f"{int(part.real_inside.sum())} of {int(part.n_real.sum())}"
+    for (name, tokens, method), part in tables["timing"].groupby(["model", "calib_tokens", "method"]):
+        out[f"{name}/calibration/{tokens}/{method}/seconds"] = float(part.seconds.median())
     return out

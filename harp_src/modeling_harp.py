@@ -1,0 +1,276 @@
+"""The modules a pruned model is made of, and the model classes that rebuild a pruned checkpoint.
+
+This file imports only torch and transformers. It is the one definition of HARP's bypass and dropped attention
+(and of the baselines' constant sub-layers): the library uses it, and `save_pretrained` copies this very file into
+every pruned checkpoint, whose config.json points `AutoModelForCausalLM` at it (`auto_map`). So
+`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` works where this repository is not installed.
+
+A checkpoint carries its structure in config.json (`harp_structure`): one entry per module that differs from the
+dense model the config describes, keyed by its module path (as `named_modules` gives it). The entries are written by
+walking the pruned model (`describe`), so this file needs no knowledge of any family's layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+)
+
+STRUCTURE = "harp_structure"  # config.json key: the modules that differ from the dense model
+PLAN = "harp_plan"  # config.json key: how the model was pruned ({"harp": plan} or {"baseline": record})
+ATTRIBUTES = ("num_heads", "num_key_value_heads", "num_key_value_groups")  # head counts attention modules read
+
+
+def repeat_heads(v: torch.Tensor, head_dim: int, n_rep: int) -> torch.Tensor:
+    """[..., kv·hd] -> [..., kv·n_rep·hd]; query head g reads KV head g // n_rep, as `repeat_kv` does."""
+    if n_rep == 1:
+        return v
+    return v.unflatten(-1, (-1, head_dim)).repeat_interleave(n_rep, dim=-2).flatten(-2)
+
+
+class BypassAttention(nn.Module):
+    """Attention with the attention matrix fixed to the identity: each token is mixed only with itself.
+
+    `n_rep > 1` repeats KV heads before o_proj (unfolded form); folded, o_proj already sums the repeated
+    heads and `n_rep == 1`. `scale` is α when it is not folded into the weights.
+    """
+
+    def __init__(self, v_proj: nn.Linear, o_proj: nn.Linear, head_dim: int, n_rep: int, scale: float | None):
+        super().__init__()
+        self.v_proj, self.o_proj = v_proj, o_proj
+        self.head_dim, self.n_rep, self.scale = head_dim, n_rep, scale
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
+        out = self.o_proj(repeat_heads(self.v_proj(hidden_states), self.head_dim, self.n_rep))
+        if self.scale is not None:
+            out = out * self.scale
+        return out, None  # no attention weights exist: output_attentions cannot bring attention back
+
+    def extra_repr(self) -> str:
+        return f"n_rep={self.n_rep}, scale={self.scale}"
+
+
+class DroppedAttention(nn.Module):
+    """α = 0: the attention sub-layer is gone; it adds nothing to the residual stream."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
+        return torch.zeros_like(hidden_states), None
+
+
+class Scaled(nn.Module):
+    """Multiply a module's output by α (Gemma's unfolded form: α after the post-attention norm)."""
+
+    def __init__(self, inner: nn.Module, scale: float):
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale
+
+
+class Constant(nn.Module):
+    """A sub-layer pruned to nothing: it adds the same vector to every token (zeros when nothing is left).
+
+    `attention=True` returns (out, None) as attention modules do.
+    """
+
+    def __init__(self, value: torch.Tensor | None, hidden: int, attention: bool):
+        super().__init__()
+        self.attention, self.hidden = attention, hidden
+        self.value = None if value is None else nn.Parameter(value.detach().clone(), requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        out = torch.zeros_like(hidden_states) if self.value is None else self.value.expand_as(hidden_states)
+        return (out, None) if self.attention else out
+
+    def extra_repr(self) -> str:
+        return f"attention={self.attention}, constant={'none' if self.value is None else 'bias'}"
+
+
+# ---------------------------------------------------------------------------------------------- structure
+def _linear(lin: nn.Linear) -> list:
+    return [lin.out_features, lin.in_features, lin.bias is not None]
+
+
+def _entry(path: str, module: nn.Module) -> dict | None:
+    """The structure entry of a replaced module, or None for an ordinary one."""
+    if isinstance(module, BypassAttention):
+        return dict(path=path, kind="bypass", v_proj=_linear(module.v_proj), o_proj=_linear(module.o_proj),
+                    head_dim=module.head_dim, n_rep=module.n_rep, scale=module.scale)
+    if isinstance(module, DroppedAttention):
+        return dict(path=path, kind="dropped")
+    if isinstance(module, Constant):
+        return dict(path=path, kind="constant", hidden=module.hidden, attention=module.attention,
+                    has_value=module.value is not None)
+    if isinstance(module, Scaled):
+        return dict(path=path, kind="scaled", scale=module.scale)
+    if isinstance(module, nn.Identity):
+        return dict(path=path, kind="identity")
+    return None
+
+
+def dense_skeleton(model: nn.Module) -> nn.Module:
+    """The dense model its config describes, on the meta device (no memory, no weights)."""
+    base = next(c for c in type(model).__mro__ if not getattr(c, "_harp", False))
+    with torch.device("meta"):
+        return base(copy.deepcopy(model.config))
+
+
+def describe(model: nn.Module) -> list[dict]:
+    """Every module of `model` that differs from the dense model of its config, as JSON-able entries in the order
+    `rebuild` applies them (parents first): replaced modules, Linear layers of another shape, head counts."""
+    dense = dict(dense_skeleton(model).named_modules())
+    entries, inside = [], []
+    for path, module in model.named_modules():
+        if any(path.startswith(p + ".") for p in inside):
+            continue  # rebuilt with its parent
+        entry = _entry(path, module)
+        if entry is not None:
+            entries.append(entry)
+            inside.append(path)
+            continue
+        ref = dense.get(path)
+        if isinstance(module, nn.Linear) and (not isinstance(ref, nn.Linear) or _linear(module) != _linear(ref)):
+            entries.append(dict(path=path, kind="linear", shape=_linear(module)))
+        changed = {a: getattr(module, a) for a in ATTRIBUTES
+                   if hasattr(module, a) and getattr(module, a) != getattr(ref, a, None)}
+        if changed:
+            entries.append(dict(path=path, kind="attributes", values=changed))
+    return entries
+
+
+def _new_linear(spec: list) -> nn.Linear:
+    out_features, in_features, bias = spec
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def _built(entry: dict, current: nn.Module) -> nn.Module:
+    kind = entry["kind"]
+    if kind == "bypass":
+        return BypassAttention(_new_linear(entry["v_proj"]), _new_linear(entry["o_proj"]), entry["head_dim"],
+                               entry["n_rep"], entry["scale"])
+    if kind == "dropped":
+        return DroppedAttention()
+    if kind == "constant":
+        return Constant(torch.zeros(entry["hidden"]) if entry["has_value"] else None, entry["hidden"],
+                        entry["attention"])
+    if kind == "scaled":
+        return Scaled(current, entry["scale"])
+    if kind == "identity":
+        return nn.Identity()
+    if kind == "linear":
+        return _new_linear(entry["shape"])
+    raise ValueError(f"unknown structure entry kind {kind!r} at {entry.get('path')!r}: this checkpoint was written "
+                     "by a newer version; update modeling_harp.py")
+
+
+def rebuild(model: nn.Module, structure: list[dict]) -> None:
+    """Turn the dense model of a config into the pruned one its `structure` describes (weights to be loaded)."""
+    for entry in structure:
+        parent_path, _, name = entry["path"].rpartition(".")
+        try:
+            parent = model.get_submodule(parent_path)
+            current = getattr(parent, name)
+        except AttributeError as err:
+            raise ValueError(f"structure entry {entry['path']!r} names no module of this {type(model).__name__}: "
+                             "the checkpoint's config does not match its structure") from err
+        if entry["kind"] == "attributes":
+            for attr, value in entry["values"].items():
+                setattr(current, attr, value)
+        else:
+            setattr(parent, name, _built(entry, current))
+
+
+# ---------------------------------------------------------------------------------------------- the classes
+class _HarpCheckpoint:
+    """Mixed into a family's CausalLM class: builds the pruned structure from the config, refuses checkpoints whose
+    weights do not fit it, and saves only the weights that exist (plus this file, the plan and the tokenizer)."""
+
+    _harp = True
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        rebuild(self, getattr(config, STRUCTURE, None) or [])
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        want_info = kwargs.pop("output_loading_info", False)
+        kwargs.setdefault("ignore_mismatched_sizes", True)  # reported below, naming the tensor
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        missing = sorted(info.get("missing_keys", []))
+        wrong = sorted(k[0] if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys", []))
+        if missing or wrong:
+            name, what = (missing[0], "is missing") if missing else (wrong[0], "has the wrong shape")
+            raise ValueError(f"this pruned checkpoint's weights do not match its structure in config.json: {name} "
+                             f"{what} ({len(missing)} missing, {len(wrong)} of the wrong shape in all); re-save it "
+                             "from the pruned model")
+        return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """An ordinary checkpoint of the pruned model: only its weights, its structure and plan in config.json,
+        `auto_map` pointing at a copy of this file, and the tokenizer if the model carries one."""
+        structure = describe(self)
+        config = self.config
+        for key in (STRUCTURE, PLAN, "auto_map"):
+            config.__dict__.pop(key, None)
+        if structure:
+            setattr(config, STRUCTURE, structure)
+            setattr(config, PLAN, _plan_of(self))
+            config.auto_map = {"AutoModelForCausalLM": f"{Path(__file__).stem}.{type(self).__name__}"}
+        else:
+            warnings.warn("this model has no pruned module: saving an ordinary dense checkpoint", stacklevel=2)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if structure:
+            shutil.copyfile(__file__, Path(save_directory) / Path(__file__).name)
+        tokenizer = getattr(self, "harp_tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(save_directory)
+
+
+def _plan_of(model: nn.Module) -> dict:
+    """How the model was pruned, as recorded by whoever pruned it (`to_dict()` of a plan or record)."""
+    out = {}
+    if getattr(model, "harp_plan", None) is not None:
+        out["harp"] = model.harp_plan.to_dict()
+    if getattr(model, "prune_record", None) is not None:
+        out["baseline"] = model.prune_record.to_dict()
+    return out
+
+
+def _harp_class(base: type) -> type:
+    cls = type(f"Harp{base.__name__}", (_HarpCheckpoint, base), {"__module__": __name__,
+                                                              "__doc__": f"A pruned {base.__name__}."})
+    return cls
+
+
+HarpLlamaForCausalLM = _harp_class(LlamaForCausalLM)
+HarpMistralForCausalLM = _harp_class(MistralForCausalLM)
+HarpQwen2ForCausalLM = _harp_class(Qwen2ForCausalLM)
+HarpGemma2ForCausalLM = _harp_class(Gemma2ForCausalLM)
+HarpGemma3ForCausalLM = _harp_class(Gemma3ForCausalLM)
+CLASSES = {c.__name__: c for c in (HarpLlamaForCausalLM, HarpMistralForCausalLM, HarpQwen2ForCausalLM,
+                                   HarpGemma2ForCausalLM, HarpGemma3ForCausalLM)}
+
+
+def mark_pruned(model: nn.Module) -> nn.Module:
+    """Give a pruned model its checkpoint class (the same class plus `_HarpCheckpoint`), so `save_pretrained`
+    writes a pruned checkpoint. Idempotent; the model's modules and weights are untouched."""
+    if getattr(type(model), "_harp", False):
+        return model
+    cls = next((c for c in CLASSES.values() if type(model) in c.__bases__), None)
+    if cls is None:
+        raise ValueError(f"{type(model).__name__} has no pruned-checkpoint class: supported are "
+                         f"{sorted(c.__bases__[1].__name__ for c in CLASSES.values())}")
+    model.__class__ = cls
+    return model
