@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .modeling_harp import mark_pruned
+from .modeling_harp import CLASSES, mark_pruned
 
 
 def has_plan(model: nn.Module) -> bool:
@@ -37,9 +37,10 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, tokenizer=No
     """
     directory = Path(directory)
     pruned = has_plan(model)
-    if pruned:
-        mark_pruned(model)
-    else:
+    if pruned and not mark_pruned(model):
+        raise ValueError(f"a pruned {type(model).__name__} cannot be saved as a checkpoint yet: pruned-checkpoint "
+                         f"classes exist for {sorted(c.__bases__[1].__name__ for c in CLASSES.values())}")
+    if not pruned:
         warnings.warn("this model has no HARP plan or baseline record: saving an ordinary dense checkpoint",
                       stacklevel=2)
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "harp_tokenizer", None)

@@ -19,14 +19,14 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from .files import write_text
-from .modeling_harp import BypassAttention, DroppedAttention, mark_pruned
+from .modeling_harp import BypassAttention, DroppedAttention, kind_of, mark_pruned
 from .models import PLAN_RESTORERS, Adapter, fingerprint, get_adapter, text_config
 
 
 # ---------------------------------------------------------------------------------------------- modules
 def is_pruned(attention: nn.Module) -> bool:
     """Whether a layer's attention module (`Adapter.attention(i)`) is a HARP bypass or dropped."""
-    return isinstance(attention, (BypassAttention, DroppedAttention))
+    return kind_of(attention) in ("bypass", "dropped")
 
 
 # ---------------------------------------------------------------------------------------------- the plan

@@ -13,6 +13,7 @@ walking the pruned model (`describe`), so this file needs no knowledge of any fa
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -46,6 +47,8 @@ class BypassAttention(nn.Module):
     heads and `n_rep == 1`. `scale` is α when it is not folded into the weights.
     """
 
+    harp_kind = "bypass"  # how `describe` recognises it, also as a class from a checkpoint's copy of this file
+
     def __init__(self, v_proj: nn.Linear, o_proj: nn.Linear, head_dim: int, n_rep: int, scale: float | None):
         super().__init__()
         self.v_proj, self.o_proj = v_proj, o_proj
@@ -64,12 +67,16 @@ class BypassAttention(nn.Module):
 class DroppedAttention(nn.Module):
     """α = 0: the attention sub-layer is gone; it adds nothing to the residual stream."""
 
+    harp_kind = "dropped"
+
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
         return torch.zeros_like(hidden_states), None
 
 
 class Scaled(nn.Module):
     """Multiply a module's output by α (Gemma's unfolded form: α after the post-attention norm)."""
+
+    harp_kind = "scaled"
 
     def __init__(self, inner: nn.Module, scale: float):
         super().__init__()
@@ -84,6 +91,8 @@ class Constant(nn.Module):
 
     `attention=True` returns (out, None) as attention modules do.
     """
+
+    harp_kind = "constant"
 
     def __init__(self, value: torch.Tensor | None, hidden: int, attention: bool):
         super().__init__()
@@ -103,28 +112,35 @@ def _linear(lin: nn.Linear) -> list:
     return [lin.out_features, lin.in_features, lin.bias is not None]
 
 
+def kind_of(module: nn.Module) -> str | None:
+    """"bypass", "dropped", "constant", "scaled" for this file's modules (whichever copy of the file defined them),
+    "identity" for a removed norm, None for an ordinary module."""
+    return "identity" if isinstance(module, nn.Identity) else getattr(module, "harp_kind", None)
+
+
 def _entry(path: str, module: nn.Module) -> dict | None:
     """The structure entry of a replaced module, or None for an ordinary one."""
-    if isinstance(module, BypassAttention):
-        return dict(path=path, kind="bypass", v_proj=_linear(module.v_proj), o_proj=_linear(module.o_proj),
+    kind = kind_of(module)
+    if kind == "bypass":
+        return dict(path=path, kind=kind, v_proj=_linear(module.v_proj), o_proj=_linear(module.o_proj),
                     head_dim=module.head_dim, n_rep=module.n_rep, scale=module.scale)
-    if isinstance(module, DroppedAttention):
-        return dict(path=path, kind="dropped")
-    if isinstance(module, Constant):
-        return dict(path=path, kind="constant", hidden=module.hidden, attention=module.attention,
+    if kind == "constant":
+        return dict(path=path, kind=kind, hidden=module.hidden, attention=module.attention,
                     has_value=module.value is not None)
-    if isinstance(module, Scaled):
-        return dict(path=path, kind="scaled", scale=module.scale)
-    if isinstance(module, nn.Identity):
-        return dict(path=path, kind="identity")
-    return None
+    if kind == "scaled":
+        return dict(path=path, kind=kind, scale=module.scale)
+    return None if kind is None else dict(path=path, kind=kind)
+
+
+def dense_class(model: nn.Module) -> type:
+    """The stock transformers class under a pruned-checkpoint class (the class itself for a stock model)."""
+    return next(c for c in type(model).__mro__ if not getattr(c, "_harp", False))
 
 
 def dense_skeleton(model: nn.Module) -> nn.Module:
     """The dense model its config describes, on the meta device (no memory, no weights)."""
-    base = next(c for c in type(model).__mro__ if not getattr(c, "_harp", False))
     with torch.device("meta"):
-        return base(copy.deepcopy(model.config))
+        return dense_class(model)(copy.deepcopy(model.config))
 
 
 def describe(model: nn.Module) -> list[dict]:
@@ -208,34 +224,47 @@ class _HarpCheckpoint:
         want_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("ignore_mismatched_sizes", True)  # reported below, naming the tensor
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        missing = sorted(info.get("missing_keys", []))
-        wrong = sorted(k[0] if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys", []))
-        if missing or wrong:
-            name, what = (missing[0], "is missing") if missing else (wrong[0], "has the wrong shape")
-            raise ValueError(f"this pruned checkpoint's weights do not match its structure in config.json: {name} "
-                             f"{what} ({len(missing)} missing, {len(wrong)} of the wrong shape in all); re-save it "
-                             "from the pruned model")
+        problems = [(k, "is missing") for k in sorted(info.get("missing_keys", []))]
+        problems += [(k[0] if isinstance(k, tuple) else str(k), "has the wrong shape")
+                     for k in sorted(info.get("mismatched_keys", []), key=str)]
+        problems += [(k, "is not part of the pruned model") for k in sorted(info.get("unexpected_keys", []))]
+        if problems:
+            raise ValueError(f"this pruned checkpoint's weights do not match its structure in config.json: "
+                             f"{problems[0][0]} {problems[0][1]} ({len(problems)} tensors in all); re-save it from "
+                             "the pruned model")
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """An ordinary checkpoint of the pruned model: only its weights, its structure and plan in config.json,
-        `auto_map` pointing at a copy of this file, and the tokenizer if the model carries one."""
-        structure = describe(self)
-        config = self.config
-        for key in (STRUCTURE, PLAN, "auto_map"):
-            config.__dict__.pop(key, None)
-        if structure:
-            setattr(config, STRUCTURE, structure)
-            setattr(config, PLAN, _plan_of(self))
-            config.auto_map = {"AutoModelForCausalLM": f"{Path(__file__).stem}.{type(self).__name__}"}
-        else:
-            warnings.warn("this model has no pruned module: saving an ordinary dense checkpoint", stacklevel=2)
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if structure:
-            shutil.copyfile(__file__, Path(save_directory) / Path(__file__).name)
-        tokenizer = getattr(self, "harp_tokenizer", None)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(save_directory)
+        `auto_map` pointing at a copy of this file, and the tokenizer if the model carries one. The model's own
+        config is left as it was."""
+        structure, plan, config = describe(self), _plan_of(self), self.config
+        saved = {key: config.__dict__.pop(key) for key in (STRUCTURE, PLAN, "auto_map") if key in config.__dict__}
+        directory = Path(save_directory)
+        try:
+            if plan:  # also for pruning that keeps every shape (unstructured Wanda's zeros)
+                setattr(config, PLAN, plan)
+            if structure:
+                setattr(config, STRUCTURE, structure)
+                config.auto_map = {"AutoModelForCausalLM": f"{Path(__file__).stem}.{type(self).__name__}"}
+            elif not plan:
+                warnings.warn("this model has no pruned module: saving an ordinary dense checkpoint", stacklevel=2)
+            directory.mkdir(parents=True, exist_ok=True)  # the extra files first, so a Hub push carries them
+            if structure:
+                shutil.copyfile(__file__, directory / Path(__file__).name)
+            tokenizer = getattr(self, "harp_tokenizer", None)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(directory)
+            super().save_pretrained(save_directory, *args, **kwargs)
+            if not structure:  # the stock class reads it: name that one, not ours
+                path = directory / "config.json"
+                written = json.loads(path.read_text())
+                written["architectures"] = [dense_class(self).__name__]
+                path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+        finally:
+            for key in (STRUCTURE, PLAN, "auto_map"):
+                config.__dict__.pop(key, None)
+            config.__dict__.update(saved)
 
 
 def _plan_of(model: nn.Module) -> dict:
@@ -263,14 +292,18 @@ CLASSES = {c.__name__: c for c in (HarpLlamaForCausalLM, HarpMistralForCausalLM,
                                    HarpGemma2ForCausalLM, HarpGemma3ForCausalLM)}
 
 
-def mark_pruned(model: nn.Module) -> nn.Module:
-    """Give a pruned model its checkpoint class (the same class plus `_HarpCheckpoint`), so `save_pretrained`
-    writes a pruned checkpoint. Idempotent; the model's modules and weights are untouched."""
+def checkpoint_class(model: nn.Module) -> type | None:
+    """The pruned-checkpoint class for this model's class, or None where there is none (e.g. a multimodal
+    Gemma-3 wrapper, a user's subclass)."""
     if getattr(type(model), "_harp", False):
-        return model
-    cls = next((c for c in CLASSES.values() if type(model) in c.__bases__), None)
-    if cls is None:
-        raise ValueError(f"{type(model).__name__} has no pruned-checkpoint class: supported are "
-                         f"{sorted(c.__bases__[1].__name__ for c in CLASSES.values())}")
-    model.__class__ = cls
-    return model
+        return type(model)
+    return next((c for c in CLASSES.values() if type(model) in c.__bases__), None)
+
+
+def mark_pruned(model: nn.Module) -> bool:
+    """Give a pruned model its checkpoint class (the same class plus `_HarpCheckpoint`), so `save_pretrained`
+    writes a pruned checkpoint. Idempotent; modules and weights are untouched. False where no such class exists."""
+    cls = checkpoint_class(model)
+    if cls is not None:
+        model.__class__ = cls
+    return cls is not None

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .files import atomic_path, write_json
-from .modeling_harp import CLASSES, PLAN, STRUCTURE, Scaled, repeat_heads
+from .modeling_harp import CLASSES, PLAN, STRUCTURE, Scaled, mark_pruned, repeat_heads
 
 # How a pruned checkpoint's plan (config.json `harp_plan`, {kind: dict}) becomes the object pruning would have left
 # on the model: harp.py registers "harp" (HarpPlan), baselines.py "baseline" (PruneRecord).
@@ -213,7 +213,10 @@ def load_model(
     model.eval()
     get_adapter(model)  # fail early on an unsupported family
     for kind, plan in (getattr(config, PLAN, None) or {}).items():
+        if kind not in PLAN_RESTORERS:
+            raise ValueError(f"this checkpoint's plan is of kind {kind!r}; this version reads {sorted(PLAN_RESTORERS)}")
         PLAN_RESTORERS[kind](model, plan)
+        mark_pruned(model)  # saving it again keeps the plan
     tok = AutoTokenizer.from_pretrained(source)
     model.harp_source = provenance
     model.harp_tokenizer = tok  # so that model.save_pretrained(dir) of a pruned model writes it too

@@ -98,6 +98,7 @@ def harp_applied(model, layers, alphas, fold: bool = True):
     originals = {i: ad.layers[i] for i in layers}
     cfg = text_config(model.config)
     modes, plan = getattr(cfg, "kv_sharing_modes", None), getattr(model, "harp_plan", None)
+    model_class = type(model)  # apply_harp gives the model its pruned-checkpoint class
     try:
         for i in layers:
             ad.layers[i] = copy.deepcopy(originals[i])
@@ -106,6 +107,7 @@ def harp_applied(model, layers, alphas, fold: bool = True):
         for i, layer in originals.items():
             ad.layers[i] = layer
         cfg.kv_sharing_modes = modes
+        model.__class__ = model_class
         if plan is None:
             model.__dict__.pop("harp_plan", None)
         else:

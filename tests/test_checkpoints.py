@@ -13,7 +13,7 @@ import torch
 from conftest import make_tiny
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from harp_src import apply_harp, load_model
 from harp_src.__main__ import main
@@ -21,6 +21,7 @@ from harp_src.baselines import prune
 from harp_src.checkpoints import save_checkpoint, tensor_bytes, weights_bytes
 from harp_src.modeling_harp import STRUCTURE, mark_pruned
 from harp_src.models import resolve_source
+from harp_src.prefix import harp_applied
 
 ALPHAS = {1: 0.0, 2: 0.4, 3: 1.0}  # a dropped layer, a rescaled one, a plain bypass
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,17 +79,31 @@ def test_dense_model_saves_as_an_ordinary_checkpoint_with_a_warning(family, tmp_
     same_model(model, AutoModelForCausalLM.from_pretrained(tmp_path / "dense"), ids())
 
 
-@pytest.mark.parametrize("method", ["mag-sp", "attn-drop-top"])
+@pytest.mark.parametrize("method", ["mag-sp", "attn-drop-top", "flap", "wanda"])
 def test_baseline_pruned_models_round_trip(method, tokenizer, tmp_path):
-    """Sliced heads and MLP channels (Mag-sp) and whole attention sub-layers turned constant (attention drop)."""
+    """Sliced heads and MLP channels (Mag-sp), whole attention sub-layers turned constant (attention drop), new
+    compensation biases (FLAP) and zeroed weights in dense shapes (unstructured Wanda)."""
     for family in ("llama", "gemma3"):
         model = make_tiny(family)
-        record = prune(model, method, 20_000, progress=False)
+        record = prune(model, method, 20_000, ids(4, 16, seed=1), progress=False)
         save_checkpoint(model, tmp_path / family, tokenizer)
         loaded, _ = load_model(str(tmp_path / family))
         assert loaded.prune_record.to_dict() == record.to_dict()
         same_model(model, loaded, ids())
+        loaded.save_pretrained(tmp_path / f"{family}-again")  # saving what was loaded keeps the record
+        again = json.loads((tmp_path / f"{family}-again" / "config.json").read_text())
+        assert again["harp_plan"]["baseline"] == record.to_dict()
+        assert again["architectures"][0].startswith("Harp") == (method != "wanda")  # Wanda keeps every shape
         same_model(model, AutoModelForCausalLM.from_pretrained(tmp_path / family, trust_remote_code=True), ids())
+
+
+def test_a_fresh_process_restores_a_baseline_record(tokenizer, tmp_path):
+    model = make_tiny("qwen2")
+    prune(model, "flap", 20_000, ids(4, 16, seed=1), progress=False)
+    save_checkpoint(model, tmp_path / "flap", tokenizer)
+    script = f"from harp_src import load_model\nprint(load_model({str(tmp_path / 'flap')!r})[0].prune_record.method)"
+    fresh = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=300)
+    assert fresh.stdout.split()[-1] == "flap"
 
 
 @pytest.mark.slow
@@ -100,7 +115,8 @@ def test_smollm2_checkpoint_is_smaller_by_the_deleted_tensors_and_loads_without_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         save_checkpoint(dense, tmp_path / "dense")
-    save_checkpoint(model, tmp_path / "harp")
+    model.save_pretrained(tmp_path / "harp")  # the API itself: load_model attached the tokenizer, so it is saved too
+    assert (tmp_path / "harp" / "tokenizer.json").exists()
     deleted = tensor_bytes(dense) - tensor_bytes(model)
     assert deleted > 20e6  # q, k of 8 layers, v, o of one, the folded o_proj's repeated columns
     drop = weights_bytes(tmp_path / "dense") - weights_bytes(tmp_path / "harp")
@@ -150,7 +166,7 @@ def test_accelerate_offload_gives_the_same_logits(tokenizer, tmp_path):
     # layers 1 and 2 stay on disk (read from the safetensors file when they run): meta tensors until then
     assert "disk" in offloaded.hf_device_map.values()
     assert {n.split(".")[2] for n, p in offloaded.named_parameters() if p.device.type == "meta"} == {"1", "2"}
-    assert_close(logits(offloaded, ids()), logits(model, ids()), rtol=0, atol=0)
+    same_model(model, offloaded, ids())
 
 
 @pytest.mark.slow
@@ -183,9 +199,14 @@ def test_checkpoint_whose_weights_do_not_match_its_plan_is_refused(tokenizer, tm
             load()
     wrong = dict(weights)
     wrong["model.layers.2.self_attn.o_proj.weight"] = torch.zeros(64, 48)
-    save_file(wrong, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn\.o_proj\.weight has the wrong shape"):
-        load_model(str(tmp_path / "ckpt"))
+    extra = dict(weights)
+    extra["model.layers.3.self_attn.q_proj.weight"] = torch.zeros(64, 64)  # a dense tensor the plan deleted
+    for bad, message in ((wrong, "o_proj.weight has the wrong shape"), (extra, "q_proj.weight is not part of")):
+        save_file(bad, path, metadata={"format": "pt"})
+        for load in (lambda: load_model(str(tmp_path / "ckpt")),
+                     lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", trust_remote_code=True)):
+            with pytest.raises(ValueError, match=message):
+                load()
 
 
 def test_unsupported_family_or_class_is_refused(tokenizer, tmp_path):
@@ -198,8 +219,20 @@ def test_unsupported_family_or_class_is_refused(tokenizer, tmp_path):
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="supported are"):
         load_model(str(tmp_path / "ckpt"))
-    with pytest.raises(ValueError, match="has no pruned-checkpoint class"):
-        mark_pruned(torch.nn.Linear(2, 2))
+    assert not mark_pruned(torch.nn.Linear(2, 2))  # no checkpoint class: nothing changes
+
+
+def test_search_contexts_leave_the_model_an_ordinary_one(tmp_path):
+    model = make_tiny("llama")
+    with harp_applied(model, [3], {3: 0.5}):
+        assert type(model).__name__ == "HarpLlamaForCausalLM"
+    assert type(model) is LlamaForCausalLM
+    mark_pruned(model)  # a checkpoint class with nothing pruned in it still saves a plain dense checkpoint
+    with pytest.warns(UserWarning, match="no pruned module"):
+        model.save_pretrained(tmp_path / "plain")
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "auto_map" not in config
+    assert "harp_structure" not in model.config.to_dict()  # saving leaves the model's own config alone
 
 
 @pytest.mark.slow
