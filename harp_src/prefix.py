@@ -28,7 +28,7 @@ def window_nll(adapter, normed: torch.Tensor, ids: torch.Tensor, chunk: int = CH
         end = min(start + chunk, ids.shape[1] - 1)
         logits = adapter.head_logits(normed[:, start:end])
         nll = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, start + 1 : end + 1].flatten(), reduction="none")
-        total += nll.view(ids.shape[0], -1).sum(-1).double().cpu()
+        total += nll.detach().view(ids.shape[0], -1).sum(-1).double().cpu()
     return total
 
 
