@@ -14,27 +14,61 @@ import copy
 import json
 import sys
 import time
+from pathlib import Path
 
-from .checkpoints import save_checkpoint
+from .checkpoints import check_save_target, load_model, save_checkpoint
 from .data import ppl_windows
 from .evalbench import bench_task, check_task
 from .evaluate import perplexity
 from .files import atomic_path
 from .flops import search_flops
-from .harp import HarpPlan, apply_harp, param_report, parse_layers
-from .models import fingerprint, get_adapter, load_model, model_info
+from .harp import HarpPlan, apply_harp, check_layers, param_report, parse_layer_key
+from .models import fingerprint, get_adapter, model_info
 from .paper import llama31_8b_config
 from .results import run_info
 from .search import GRID, benchmark_search, search_alphas
-from .timing import compare, harp_copy
+from .timing import check_threads, compare, harp_copy
 
 
-def parse_alphas(text: str, layers: list[int]) -> float | dict[int, float]:
-    """'0.5' (one α for all layers) or '22=0.5,23=0.3' (per layer)."""
-    if "=" not in text:
-        return float(text)
-    pairs = (item.split("=") for item in text.split(",") if item)
-    return {int(k): float(v) for k, v in pairs}
+def parse_alphas(text: str) -> float | dict[int, float]:
+    """'0.5' (one α for all layers) or '22=0.5,23=0.3' (per layer); each layer at most once."""
+    try:
+        if "=" not in text:
+            return float(text)
+        out: dict[int, float] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, value = item.split("=")
+            layer = parse_layer_key(key.strip())
+            if layer in out:
+                raise ValueError(f"layer {layer} is given twice")
+            out[layer] = float(value)
+        return out
+    except ValueError as err:
+        raise ValueError(f"--alphas {text!r}: {err}; write one α (0.5) or layer=α pairs (22=0.5,23=0.3)") from None
+
+
+def check_plan_target(path: str | None) -> None:
+    """Refuse an --out path that would replace something other than a plan file (before the model loads)."""
+    if path is None or not Path(path).exists():
+        return
+    try:
+        HarpPlan.from_json(path)
+    except ValueError:
+        raise ValueError(f"--out {path} exists and is not a plan file; nothing was written. Choose another "
+                         "name (only an earlier plan is replaced)") from None
+
+
+def read_plan(path: str | None) -> HarpPlan | None:
+    """The plan of --plan, read and checked before the model loads."""
+    return None if path is None else HarpPlan.from_json(path)
+
+
+def apply_plan_file(plan: HarpPlan, path: str, model) -> None:
+    """Apply the plan read from `path`; a plan that does not fit the model is refused naming the file."""
+    try:
+        plan.apply(model)
+    except ValueError as err:
+        raise ValueError(f"plan file {path}: {err}") from None
 
 
 def _windows_args(p: argparse.ArgumentParser) -> None:
@@ -57,12 +91,16 @@ def _ppl(model, tok, args) -> float:
 
 
 def cmd_prune(args) -> dict:
+    alphas = parse_alphas(args.alphas)
+    check_plan_target(args.out)
+    if args.save:
+        check_save_target(args.save, args.overwrite)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    layers = parse_layers(args.layers, get_adapter(model).n_layers)
+    layers = check_layers(get_adapter(model), args.layers)
     out = {"model": model_info(model), "layers": layers}
     if args.ppl:
         out["ppl_before"] = _ppl(model, tok, args)
-    plan = apply_harp(model, layers, parse_alphas(args.alphas, layers), fold=not args.no_fold,
+    plan = apply_harp(model, layers, alphas, fold=not args.no_fold,
                       meta={"source": "cli prune", "model_id": model.harp_source["model_id"]})
     out |= {"alphas": plan.alphas, **param_report(model.config, plan)}
     if args.ppl:
@@ -72,25 +110,42 @@ def cmd_prune(args) -> dict:
         plan.to_json(args.out)
         out["plan"] = args.out
     if args.save:
-        out["checkpoint"] = save_checkpoint(model, args.save, tok)
+        out["checkpoint"] = save_checkpoint(model, args.save, tok, overwrite=args.overwrite)
     return out
 
 
 def cmd_ppl(args) -> dict:
+    plan = read_plan(args.plan)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     out = {"model": model_info(model)}
-    if args.plan:
-        plan = HarpPlan.from_json(args.plan)
-        plan.apply(model)
+    if plan is not None:
+        apply_plan_file(plan, args.plan, model)
         out["plan"] = plan.to_dict()
     return out | {"ppl": _ppl(model, tok, args), "corpus": f"{args.corpus}/test", "n_windows": args.n_windows,
                   "seq_len": args.seq_len, "seed": args.seed, "metric": "perplexity = exp(mean token NLL)"}
 
 
+def parse_grid(text: str | None) -> tuple[float, ...]:
+    """--grid '0,0.5,1' -> (0.0, 0.5, 1.0); the default grid when not given."""
+    if text is None:
+        return GRID
+    try:
+        grid = tuple(float(a) for a in text.split(",") if a.strip())
+    except ValueError:
+        grid = ()
+    if not grid or not all(0.0 <= a <= 1.0 for a in grid):
+        raise ValueError(f"--grid {text!r}: give comma-separated α values in [0, 1], such as 0,0.5,1")
+    return grid
+
+
 def cmd_search(args) -> dict:
+    grid = parse_grid(args.grid)
+    check_threads(args.threads)
+    check_plan_target(args.out)
+    if args.save:
+        check_save_target(args.save, args.overwrite)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    layers = parse_layers(args.layers, get_adapter(model).n_layers)
-    grid = tuple(float(a) for a in args.grid.split(",")) if args.grid else GRID
+    layers = check_layers(get_adapter(model), args.layers)
     calib = ppl_windows(tok, args.corpus, "train", args.n_windows, args.seq_len, args.seed)
     out = {"model": model_info(model), "layers": layers, "calib": f"{args.corpus}/train", "n_windows": args.n_windows,
            "seq_len": args.seq_len, "seed": args.seed}
@@ -115,22 +170,27 @@ def cmd_search(args) -> dict:
         out["plan"] = args.out
     if args.save:
         plan.apply(model)  # the search left the model dense
-        out["checkpoint"] = save_checkpoint(model, args.save, tok)
+        out["checkpoint"] = save_checkpoint(model, args.save, tok, overwrite=args.overwrite)
     return out
 
 
 def cmd_timing(args) -> dict:
-    seq_lens = [int(t) for t in args.seq_lens.split(",") if t.strip()]
+    try:
+        seq_lens = [int(t) for t in args.seq_lens.split(",") if t.strip()]
+    except ValueError:
+        seq_lens = []
     if not seq_lens or min(seq_lens) < 2:
         raise ValueError(f"--seq-lens must be comma-separated lengths >= 2, got {args.seq_lens!r} (seq_lens)")
+    check_threads(args.threads)
+    plan = read_plan(args.plan)
+    alphas = parse_alphas(args.alphas)
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.plan:  # e.g. the searched α's from `search --out`; refused if made for another model
-        plan = HarpPlan.from_json(args.plan)
+    if plan is not None:  # e.g. the searched α's from `search --out`; refused if made for another model
         harp = copy.deepcopy(model)
-        plan.apply(harp)
+        apply_plan_file(plan, args.plan, harp)
     else:
-        layers = parse_layers(args.layers, get_adapter(model).n_layers)
-        harp, plan = harp_copy(model, layers, parse_alphas(args.alphas, layers))
+        layers = check_layers(get_adapter(model), args.layers)
+        harp, plan = harp_copy(model, layers, alphas)
     summary, _ = compare(model, harp, seq_lens, args.repeats, args.warmup, args.decode_steps, args.threads,
                          args.seed)
     summary.insert(0, "model", args.model)
@@ -143,8 +203,13 @@ def cmd_timing(args) -> dict:
 
 def cmd_evalbench(args) -> dict:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    for task in tasks:  # refuse an unknown task before the model loads
+    if not tasks:
+        raise ValueError(f"--tasks {args.tasks!r} names no task; give e.g. --tasks arc_easy,piqa")
+    for task in tasks:  # refuse an unknown task, or a bad count, before the model loads
         check_task(task)
+    check_threads(args.threads)
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1 items per task, got {args.limit}")
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     rows = [bench_task(model, tok, task, args.limit, args.fewshot, args.repeats, args.warmup, args.threads)
             for task in tasks]
@@ -162,7 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--no-fold", action="store_true", help="keep the repeat and α outside the weights")
     prune.add_argument("--ppl", action="store_true", help="also measure test PPL before and after")
     prune.add_argument("--out", help="write the plan (JSON) here")
-    prune.add_argument("--save", help="write the pruned model here as a checkpoint (from_pretrained loads it)")
+    prune.add_argument("--save", help="write the pruned model here as a checkpoint (from_pretrained loads it); "
+                                      "a new or empty folder, or an earlier checkpoint with --overwrite")
+    prune.add_argument("--overwrite", action="store_true", help="replace the checkpoint already at --save")
     _windows_args(prune)
     prune.set_defaults(func=cmd_prune)
     search = sub.add_parser("search", help="greedy top-down α search on enwiki-train windows; save the plan")
@@ -175,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--threads", type=int, default=2, help="torch intra-op threads, fixed for both (benchmark)")
     search.add_argument("--out", help="write the plan (JSON) here")
     search.add_argument("--save", help="write the model pruned with the searched α's here as a checkpoint")
+    search.add_argument("--overwrite", action="store_true", help="replace the checkpoint already at --save")
     _windows_args(search)
     search.set_defaults(func=cmd_search)
     ppl = sub.add_parser("ppl", help="test perplexity of a model, optionally with a saved plan applied")
@@ -209,12 +277,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Failures a user can cause and fix: bad values (ValueError, JSON errors included), files that are missing,
+# unreadable or not what they should be (OSError, ConnectionError among them), a package not installed. Anything
+# else is a bug and keeps its traceback.
+EXPECTED = (ValueError, OSError, ImportError)
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on one line (transformers' OSErrors span several)."""
+    text = " ".join(str(err).split())
+    if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
+        text += f" ({err.filename})"
+    return text or type(err).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = args.func(args)
-    except (ValueError, ConnectionError, ModuleNotFoundError) as err:
-        print(json.dumps({"error": str(err)}), file=sys.stderr)
+    except EXPECTED as err:
+        print(json.dumps({"error": one_line(err)}, ensure_ascii=False), file=sys.stderr)
         return 2
     print(json.dumps(result, indent=1, default=str))
     return 0

@@ -48,10 +48,10 @@ from tqdm.auto import tqdm
 
 from .analysis import layer_metrics
 from .evaluate import check_windows
-from .files import write_text
-from .harp import HarpPlan, mark_kv_free, param_report
+from .files import read_json, write_text
+from .harp import HarpPlan, mark_kv_free, param_report, parse_layer_key
 from .modeling_harp import mark_pruned
-from .models import PLAN_RESTORERS, Adapter, fingerprint, get_adapter
+from .models import Adapter, check_fingerprint, fingerprint, get_adapter
 from .slicing import Units, attention_is_dense, keep_channels, keep_heads, mlp_is_dense, units
 
 FINE = ("mag-sp", "wanda-sp", "flap", "llm-pruner")
@@ -87,6 +87,23 @@ class PruneRecord:
     weights_zeroed: int = 0
     meta: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        if self.method not in SCOPES:
+            raise ValueError(f"unknown method {self.method!r}; records are made by {', '.join(METHODS)}")
+        if self.scope not in SCOPES[self.method]:
+            raise ValueError(f"method {self.method!r} has no scope {self.scope!r}; valid: {SCOPES[self.method]}")
+        for name in ("budget", "params_removed", "weights_zeroed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+        check_fingerprint(self.fingerprint)
+        if not isinstance(self.layers, dict):
+            raise ValueError(f"layers must be a {{layer: entry}} mapping, got {type(self.layers).__name__}")
+        for i, entry in self.layers.items():
+            _check_record_entry(i, entry)
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"meta must be a mapping, got {type(self.meta).__name__}")
+
     def apply(self, model: nn.Module) -> PruneRecord:
         """Prune `model` in place as recorded (refused, with the model unchanged, if it does not fit the record)."""
         found = fingerprint(model.config)
@@ -110,14 +127,55 @@ class PruneRecord:
         write_text(path, json.dumps(self.to_dict()) + "\n")
 
     @classmethod
-    def from_dict(cls, d: dict) -> PruneRecord:
-        return cls(d["method"], d["scope"], int(d["budget"]), d["fingerprint"],
-                   {int(i): e for i, e in d["layers"].items()}, int(d["params_removed"]),
-                   int(d.get("weights_zeroed", 0)), d.get("meta", {}))
+    def from_dict(cls, d: dict, where: str = "record") -> PruneRecord:
+        """The record a `to_dict()` wrote, checked strictly; every error names `where` (the file it came from)."""
+        try:
+            if not isinstance(d, dict):
+                raise ValueError(f"a record is a JSON object, got {type(d).__name__}")
+            required = ("method", "scope", "budget", "fingerprint", "layers", "params_removed")
+            unknown = sorted(set(d) - set(required) - {"weights_zeroed", "meta"})
+            missing = [k for k in required if k not in d]
+            if unknown or missing:
+                raise ValueError(f"a record has the keys {list(required)} (weights_zeroed and meta optional); "
+                                 f"unknown {unknown}, missing {missing}")
+            layers = d["layers"]
+            if isinstance(layers, dict):
+                layers = {parse_layer_key(i): e for i, e in layers.items()}
+            return cls(d["method"], d["scope"], d["budget"], d["fingerprint"], layers, d["params_removed"],
+                       d.get("weights_zeroed", 0), d.get("meta", {}))
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> PruneRecord:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a record file (from `to_json`), refusing anything malformed."""
+        return cls.from_dict(read_json(path, "record file"), f"record file {path}")
+
+
+ENTRY_KEYS = ("heads", "channels", "heads_bias", "channels_bias", "zeroed")
+
+
+def _index_list(values, what: str, i: int) -> None:
+    if not isinstance(values, list) or any(isinstance(k, bool) or not isinstance(k, int) for k in values):
+        raise ValueError(f"layer {i}: {what} must be a list of indices, got {values!r}")
+
+
+def _check_record_entry(i, entry) -> None:
+    """The types of one layer's record entry (whether its indices fit a model is `_check_entry`'s question)."""
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
+        raise ValueError(f"layer {i!r} is not a layer index (an integer >= 0)")
+    if not isinstance(entry, dict) or not set(entry) <= set(ENTRY_KEYS):
+        raise ValueError(f"layer {i}: an entry is a mapping with keys among {list(ENTRY_KEYS)}, got {entry!r}")
+    for key in ("heads", "channels"):
+        if key in entry:
+            _index_list(entry[key], key, i)
+    for key in ("heads_bias", "channels_bias"):
+        bias = entry.get(key)
+        if bias is not None and (not isinstance(bias, list) or not all(isinstance(b, (int, float)) for b in bias)):
+            raise ValueError(f"layer {i}: {key} must be a list of numbers, got {type(bias).__name__}")
+    zeroed = entry.get("zeroed", {})
+    if not isinstance(zeroed, dict) or not all(isinstance(c, str) for c in zeroed.values()):
+        raise ValueError(f"layer {i}: zeroed must map projections to packed masks (strings)")
 
 
 def _linears(ad: Adapter, i: int) -> dict[str, nn.Linear]:
@@ -184,13 +242,6 @@ def _finish(model: nn.Module, record: PruneRecord) -> None:
         mark_kv_free(model, gone)  # an attention sub-layer with no head left keeps no KV cache
     model.prune_record = record
     mark_pruned(model)  # model.save_pretrained now writes a pruned checkpoint
-
-
-def _restore_record(model: nn.Module, record: dict) -> None:
-    model.prune_record = PruneRecord.from_dict(record)
-
-
-PLAN_RESTORERS["baseline"] = _restore_record
 
 
 # ---------------------------------------------------------------------------------------------- budgets

@@ -1,41 +1,145 @@
-"""Pruned models as ordinary checkpoints: `save_checkpoint` writes one that loads with `load_model(dir)` or with
-`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` where this repository is not installed.
+"""Pruned models as ordinary checkpoints: `save_checkpoint` writes one; `load_model` reads any model, and a pruned
+checkpoint only after its plan has been checked against its structure.
 
 What goes into a checkpoint, and how it is rebuilt, lives in `modeling_harp` (the file the checkpoint carries).
+Saving never deletes what it did not write: an existing folder is replaced only if it is a checkpoint of this
+project holding nothing else, and only when asked (`overwrite`), after the new one is complete.
 """
 
 from __future__ import annotations
 
+import copy
+import fnmatch
+import json
 import os
 import shutil
 import tempfile
+import uuid
 import warnings
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
+from transformers import AutoModelForCausalLM
 
-from .modeling_harp import CLASSES, mark_pruned
+from .baselines import PruneRecord
+from .files import read_json, set_default_modes
+from .harp import HarpPlan
+from .modeling_harp import CLASSES, PLAN, STRUCTURE, describe, mark_pruned
+from .models import ROOT, load_pretrained, resolve_source
+
+# The files a checkpoint consists of (model, config, this repository's modeling file, tokenizer); anything else in a
+# folder is somebody's, and the folder is never replaced.
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+                    "model.safetensors.index.json", "modeling_harp.py", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+                    "added_tokens.json")
+PLAN_KINDS = ("harp", "baseline")
 
 
+# ---------------------------------------------------------------------------------------------- saving
 def has_plan(model: nn.Module) -> bool:
     """Whether `model` was pruned here (a HARP plan or a baseline's record is on it)."""
     return getattr(model, "harp_plan", None) is not None or getattr(model, "prune_record", None) is not None
 
 
-def save_checkpoint(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -> dict:
-    """Write `model` (and its tokenizer) as a checkpoint in `directory`, replacing what was there only once the new
-    one is complete. A pruned model keeps only the weights that exist, its plan and structure in config.json and
-    the modeling file; a model with no plan is saved as an ordinary dense checkpoint, with a warning.
+def foreign_files(directory: Path) -> list[str]:
+    """What in `directory` is not a checkpoint file (sub-folders included), sorted."""
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir()
+                  if p.is_dir() or not any(fnmatch.fnmatch(p.name, pattern) for pattern in CHECKPOINT_FILES))
+
+
+def is_checkpoint(directory: Path) -> bool:
+    """Whether `directory` holds a checkpoint of this project (its config.json carries a plan)."""
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and PLAN in config
+
+
+def _protected(target: Path) -> str | None:
+    """Why `target` must never be replaced (a folder that holds the user's work), or None."""
+    resolved = target.resolve()
+    places = {Path("/"): "the file-system root", Path.home().resolve(): "your home directory",
+              ROOT: "this repository's root", Path.cwd().resolve(): "the current directory"}
+    if resolved in places:
+        return places[resolved]
+    if Path.cwd().resolve().is_relative_to(resolved) or ROOT.is_relative_to(resolved):
+        return "a folder that contains the current directory or this repository"
+    return None
+
+
+def check_save_target(directory: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Refuse, before anything is computed or written, a checkpoint folder that would replace somebody's files.
+
+    Accepted: a path that does not exist yet, an empty folder, and (with `overwrite`) a checkpoint of this project
+    that holds only checkpoint files.
+
+    Returns:
+        The target as an absolute path.
+    """
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"overwrite must be True or False, got {overwrite!r}")
+    target = Path(os.path.abspath(os.fspath(directory)))
+    why = _protected(target)
+    if why is not None:
+        raise ValueError(f"refusing to save a checkpoint to {directory}: it is {why}; choose a new folder, "
+                         "e.g. ./pruned-model")
+    if not target.exists() and not target.is_symlink():
+        return target
+    if not target.is_dir() or target.is_symlink():
+        raise ValueError(f"{directory} exists and is not a folder; choose a new folder for the checkpoint")
+    if not any(target.iterdir()):
+        return target
+    if not is_checkpoint(target):
+        raise ValueError(f"{directory} exists and is not a checkpoint of this project; nothing was written. "
+                         "Choose a new folder (saving never replaces other files)")
+    extra = foreign_files(target)
+    if extra:
+        raise ValueError(f"{directory} holds a checkpoint but also {extra[0]}, which is not part of it; nothing "
+                         "was written. Move those files away or choose a new folder")
+    if not overwrite:
+        raise ValueError(f"{directory} already holds a checkpoint; nothing was written. Pass --overwrite "
+                         "(overwrite=True) to replace it, or choose a new folder")
+    return target
+
+
+def _move_into_place(new: Path, target: Path) -> None:
+    """Put the complete folder `new` at `target`; an existing target is set aside first and removed only after
+    the new one is in place (restored if that fails)."""
+    if not target.exists():
+        os.rename(new, target)
+        return
+    old = target.with_name(f".{target.name}.replaced-{uuid.uuid4().hex[:8]}")
+    os.rename(target, old)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    shutil.rmtree(old)
+
+
+def save_checkpoint(model: nn.Module, directory: str | os.PathLike, tokenizer=None, overwrite: bool = False) -> dict:
+    """Write `model` (and its tokenizer) as a checkpoint folder. A pruned model keeps only the weights that exist,
+    its plan and structure in config.json and the modeling file; a model with no plan is saved as an ordinary dense
+    checkpoint, with a warning.
+
+    The checkpoint is written into a temporary sibling folder and moved into place when complete, so a failed save
+    leaves `directory` as it was. An existing folder is refused unless it is empty, or a checkpoint of this project
+    holding nothing else and `overwrite` is True (see `check_save_target`).
 
     Args:
         model: a causal LM, typically after `apply_harp` or `baselines.prune`.
         directory: the checkpoint folder.
         tokenizer: saved beside the weights (default: the one `load_model` attached to the model, if any).
+        overwrite: replace an existing checkpoint of this project at `directory`.
     Returns:
         dict: directory, pruned (bool), weights_bytes (the safetensors files' size).
     """
-    directory = Path(directory)
+    target = check_save_target(directory, overwrite)
     pruned = has_plan(model)
     if pruned and not mark_pruned(model):
         raise ValueError(f"a pruned {type(model).__name__} cannot be saved as a checkpoint yet: pruned-checkpoint "
@@ -44,26 +148,17 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, tokenizer=No
         warnings.warn("this model has no HARP plan or baseline record: saving an ordinary dense checkpoint",
                       stacklevel=2)
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "harp_tokenizer", None)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is meant to be shared
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if directory.exists():
-            shutil.rmtree(directory)
-        tmp.rename(directory)
-    except BaseException:
+        set_default_modes(tmp)  # temporary folders and safetensors' files are private; a checkpoint is shared
+        _move_into_place(tmp, target)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return {"directory": str(directory), "pruned": pruned, "weights_bytes": weights_bytes(directory)}
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    return {"directory": str(directory), "pruned": pruned, "weights_bytes": weights_bytes(target)}
 
 
 def weights_bytes(directory: str | os.PathLike) -> int:
@@ -79,3 +174,108 @@ def tensor_bytes(model: nn.Module) -> int:
             seen.add(t.untyped_storage().data_ptr())
             total += t.numel() * t.element_size()
     return total
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def checkpoint_plans(config: dict, where: str) -> tuple[HarpPlan | None, PruneRecord | None]:
+    """The HARP plan and baseline record a checkpoint's config.json carries (`harp_plan`), strictly parsed.
+
+    Args:
+        config: config.json as a dict; where: how to name it in errors (its path).
+    """
+    plans = config.get(PLAN) or {}
+    if not isinstance(plans, dict) or not set(plans) <= set(PLAN_KINDS):
+        found = sorted(plans) if isinstance(plans, dict) else type(plans).__name__
+        raise ValueError(f"{where}: {PLAN} holds {found}; this version reads the kinds {list(PLAN_KINDS)}")
+    harp = HarpPlan.from_dict(plans["harp"], f"{where} ({PLAN}.harp)") if "harp" in plans else None
+    record = PruneRecord.from_dict(plans["baseline"], f"{where} ({PLAN}.baseline)") if "baseline" in plans else None
+    return harp, record
+
+
+def _dense_meta_model(config: transformers.PretrainedConfig) -> nn.Module:
+    clean = copy.deepcopy(config)
+    for key in (STRUCTURE, PLAN, "auto_map"):
+        clean.__dict__.pop(key, None)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(clean)
+
+
+def _first_difference(expected: list[dict], declared: list[dict]) -> str | None:
+    """Where the structure a plan produces and the one a checkpoint declares first differ, in words."""
+    want = {e.get("path"): e for e in expected}
+    have = {e.get("path"): e for e in declared if isinstance(e, dict)}
+    if len(have) != len(declared):
+        return "an entry of the structure that is not a module entry with a 'path'"
+    for path in list(want) + [p for p in have if p not in want]:
+        a, b = want.get(path), have.get(path)
+        if a == b:
+            continue
+        if a is None:
+            return f"{path}: the structure makes it a {b.get('kind')} module, the plan leaves it unpruned"
+        if b is None:
+            return f"{path}: the plan makes it a {a.get('kind')} module, the structure leaves it unpruned"
+        key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+        return f"{path}: its {key} is {a.get(key)!r} by the plan but {b.get(key)!r} in the structure"
+    return None
+
+
+def check_checkpoint(config: transformers.PretrainedConfig, harp: HarpPlan | None, record: PruneRecord | None,
+                     where: str) -> None:
+    """Refuse a checkpoint whose plan does not produce the structure it declares: applied to the dense model of its
+    config (on the meta device, no weights), the plan and record must give exactly its `harp_structure`, so the
+    layers exist, the bypassed and sliced modules are the ones the plan names, and α agrees with the folded weights.
+    """
+    model = _dense_meta_model(config)
+    try:
+        if harp is not None:
+            harp.apply(model)
+        if record is not None:
+            record.apply(model)
+    except ValueError as err:
+        raise ValueError(f"{where}: its {PLAN} does not fit the model of its config: {err}") from None
+    expected = json.loads(json.dumps(describe(model)))
+    declared = getattr(config, STRUCTURE, None) or []
+    if not isinstance(declared, list):
+        raise ValueError(f"{where}: its {STRUCTURE} is not a list of module entries; re-save the checkpoint")
+    problem = _first_difference(expected, declared)
+    if problem:
+        raise ValueError(f"{where}: its {PLAN} and {STRUCTURE} disagree at {problem}; re-save the checkpoint from "
+                         "the pruned model")
+
+
+def load_model(
+    name_or_path: str = "smollm2-135m",
+    dtype: torch.dtype | str = torch.float32,
+    device: str | None = "cpu",
+    attn_implementation: str | None = None,
+    device_map: str | dict | None = None,
+):
+    """Load a causal LM and its tokenizer; a pruned checkpoint is checked against its plan before its weights load.
+
+    Args:
+        name_or_path: a packaged name (`smollm2-135m`, `gemma3-270m`, `qwen2.5-coder-1.5b`), a local HF
+            directory (a pruned checkpoint included), or a Hub id.
+        dtype: torch dtype (or its name, e.g. "bfloat16").
+        device: where to put the model ("cpu", "cuda"); ignored when `device_map` is given.
+        attn_implementation: "sdpa", "eager" (any transformers backend name); None: transformers' choice
+            (sdpa where the family supports it, e.g. not Gemma-2, whose soft-capping needs eager).
+        device_map: passed to transformers/accelerate, e.g. "auto" to spread a large model over GPUs.
+
+    Returns:
+        (model, tokenizer); `model.harp_source` records the model id and checksum; a pruned checkpoint's model
+        carries its `harp_plan` / `prune_record`.
+    """
+    source, _ = resolve_source(name_or_path)
+    where = f"{name_or_path} (config.json)"
+    if Path(source, "config.json").is_file():
+        where = str(Path(source, "config.json"))
+        read_json(where, "checkpoint config")  # malformed JSON or a repeated key: refused, naming the file
+    config = transformers.AutoConfig.from_pretrained(source)
+    harp, record = checkpoint_plans(config.to_dict(), where)
+    if harp is not None or record is not None or getattr(config, STRUCTURE, None):
+        check_checkpoint(config, harp, record, where)
+    model, tok = load_pretrained(name_or_path, dtype, device, attn_implementation, device_map)
+    model.harp_plan, model.prune_record = harp, record
+    if harp is not None or record is not None:
+        mark_pruned(model)  # saving it again keeps the plan
+    return model, tok

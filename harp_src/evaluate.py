@@ -39,9 +39,18 @@ from .stats import mean_ci
 
 
 def check_windows(model, windows: torch.Tensor) -> None:
-    """Refuse windows that are not a non-empty [n, T >= 2] tensor or are longer than the model's context."""
+    """Refuse windows that are not a non-empty integer [n, T >= 2] tensor of token ids the model has, or are longer
+    than the model's context."""
     if not isinstance(windows, torch.Tensor) or windows.ndim != 2 or windows.numel() == 0 or windows.shape[1] < 2:
         raise ValueError("windows must be a non-empty LongTensor [n_windows, seq_len] with seq_len >= 2")
+    if windows.dtype.is_floating_point or windows.dtype.is_complex or windows.dtype == torch.bool:
+        raise ValueError(f"windows hold token ids and must be an integer tensor, got {windows.dtype}; "
+                         "build them with data.ppl_windows or tokenizer(...).input_ids")
+    vocab = model.get_input_embeddings().num_embeddings
+    low, high = int(windows.min()), int(windows.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"windows hold token ids in {low}..{high}, but this model's vocabulary is 0..{vocab - 1}; "
+                         "were they made with another tokenizer?")
     limit = getattr(text_config(model.config), "max_position_embeddings", None)
     if limit is not None and windows.shape[1] > limit:
         raise ValueError(f"windows are {windows.shape[1]} tokens long but the model's context is {limit} tokens")

@@ -10,17 +10,19 @@ from __future__ import annotations
 import copy
 import json
 import math
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from .files import write_text
+from .files import read_json, write_text
 from .modeling_harp import BypassAttention, DroppedAttention, kind_of, mark_pruned
-from .models import PLAN_RESTORERS, Adapter, fingerprint, get_adapter, text_config
+from .models import Adapter, check_fingerprint, fingerprint, get_adapter, text_config
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -30,21 +32,65 @@ def is_pruned(attention: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- the plan
+PLAN_KEYS = ("fingerprint", "alphas", "fold", "meta")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (numbers.Real, np.floating, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_integer(x) -> bool:
+    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_alpha(layer, a) -> float:
+    """α as a float, refused unless it is a finite number in [0, 1] (not a bool, a string or null)."""
+    if not _is_number(a) or not math.isfinite(a) or not 0.0 <= a <= 1.0:
+        raise ValueError(f"α for layer {layer} is {a!r}: α must be a number in [0, 1]")
+    return float(a)
+
+
+def check_alpha_map(alphas) -> dict[int, float]:
+    """A {layer: α} mapping, validated: a non-empty dict, integer layers >= 0, each α a number in [0, 1]."""
+    if not isinstance(alphas, dict):
+        raise ValueError(f"alphas must be a {{layer: α}} mapping, got {type(alphas).__name__} {alphas!r}")
+    if not alphas:
+        raise ValueError("alphas is empty: a plan prunes at least one layer")
+    for layer in alphas:
+        if not _is_integer(layer) or layer < 0:
+            raise ValueError(f"layer {layer!r} in alphas is not a layer index (an integer >= 0)")
+    return {int(k): check_alpha(k, v) for k, v in sorted(alphas.items())}
+
+
 @dataclass(frozen=True)
 class HarpPlan:
-    """Which layers are pruned with which α, for which model; reproducible from the base weights."""
+    """Which layers are pruned with which α, for which model; reproducible from the base weights.
+
+    Checked on construction: `fingerprint` names every field of `models.fingerprint`, `alphas` is a non-empty
+    {layer: α in [0, 1]} dict, `fold` a bool, `meta` a dict. Whether the layers exist is checked against a model
+    (`apply`, `param_report`).
+    """
 
     fingerprint: dict
     alphas: dict[int, float]
     fold: bool = True
     meta: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        check_fingerprint(self.fingerprint)
+        object.__setattr__(self, "alphas", check_alpha_map(self.alphas))
+        if not isinstance(self.fold, bool):
+            raise ValueError(f"fold must be true or false, got {self.fold!r}")
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"meta must be a mapping, got {type(self.meta).__name__}")
+
     @property
     def layers(self) -> list[int]:
         return sorted(self.alphas)
 
     def apply(self, model: nn.Module) -> HarpPlan:
-        """Prune `model` in place by this plan (refused if the model's fingerprint differs)."""
+        """Prune `model` in place by this plan (refused, with the model unchanged, if it was made for another model
+        or names a layer the model does not have)."""
         found = fingerprint(model.config)
         if found != self.fingerprint:
             diff = {k: (self.fingerprint.get(k), found.get(k)) for k in found if self.fingerprint.get(k) != found[k]}
@@ -63,52 +109,85 @@ class HarpPlan:
         write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
-    def from_dict(cls, d: dict) -> HarpPlan:
-        return cls(d["fingerprint"], {int(k): float(v) for k, v in d["alphas"].items()}, d.get("fold", True),
-                   d.get("meta", {}))
+    def from_dict(cls, d: dict, where: str = "plan") -> HarpPlan:
+        """The plan a `to_dict()` wrote, checked strictly; every error names `where` (the file it came from).
+
+        Layer keys must be plain decimal numbers ("28", not "028" or "28.0"), so no two keys name one layer.
+        """
+        try:
+            if not isinstance(d, dict):
+                raise ValueError(f"a plan is a JSON object, got {type(d).__name__}")
+            unknown = sorted(set(d) - set(PLAN_KEYS))
+            missing = [k for k in ("fingerprint", "alphas") if k not in d]
+            if unknown or missing:
+                raise ValueError(f"a plan has the keys {list(PLAN_KEYS)} (fold and meta optional); "
+                                 f"unknown {unknown}, missing {missing}")
+            alphas = d["alphas"]
+            if isinstance(alphas, dict):
+                alphas = {parse_layer_key(k): v for k, v in alphas.items()}
+            return cls(d["fingerprint"], alphas, d.get("fold", True), d.get("meta", {}))
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> HarpPlan:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a plan file (from `to_json`, `prune --out` or `search --out`), refusing anything malformed."""
+        return cls.from_dict(read_json(path, "plan file"), f"plan file {path}")
+
+
+def parse_layer_key(key) -> int:
+    if not isinstance(key, str) or not key.isdecimal() or str(int(key)) != key:
+        raise ValueError(f"layer key {key!r} is not a plain layer number such as \"28\"")
+    return int(key)
+
+
+def _layer_number(x, spec) -> int:
+    if not _is_integer(x):
+        raise ValueError(f"layers must be integers (0-based indices), got {x!r} in {spec!r}")
+    return int(x)
 
 
 def parse_layers(spec: str | Iterable[int], n_layers: int) -> list[int]:
-    """'top:8', 'bottom:4', '3,5,7', '20-29' or an iterable of ints -> sorted list of 0-based layers."""
+    """'top:8', 'bottom:4', '3,5,7', '20-29' or an iterable of ints -> list of 0-based layers (not yet range-checked:
+    `check_layers` does that)."""
+    if spec is None or not isinstance(spec, (str, Iterable)):
+        raise ValueError(f"layers must be a spec such as 'top:8' or a list of layer indices, got {spec!r}")
     if not isinstance(spec, str):
-        return [int(i) for i in spec]
+        return [_layer_number(i, spec) for i in spec]
     spec = spec.strip()
-    if ":" in spec:
-        where, n = spec.split(":", 1)
-        n = int(n)
-        if not 0 <= n <= n_layers:
-            raise ValueError(f"'{spec}': N must be in 0..{n_layers}")
-        if where == "top":
-            return list(range(n_layers - n, n_layers))
-        if where == "bottom":
-            return list(range(n))
-        raise ValueError(f"'{spec}': use top:N, bottom:N, a range a-b or a list a,b,c")
-    out: list[int] = []
-    for part in filter(None, spec.split(",")):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
-    return out
+    try:
+        if ":" in spec:
+            where, n = spec.split(":", 1)
+            n = int(n)
+            if not 0 <= n <= n_layers:
+                raise ValueError(f"N must be in 0..{n_layers}")
+            if where == "top":
+                return list(range(n_layers - n, n_layers))
+            if where == "bottom":
+                return list(range(n))
+            raise ValueError("unknown selection")
+        out: list[int] = []
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            lo, _, hi = part.partition("-")
+            out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+        return out
+    except ValueError as err:
+        raise ValueError(f"layers {spec!r} ({err}): use top:N, bottom:N, a range a-b or a list a,b,c") from None
 
 
 def _check_alphas(layers: list[int], alphas: float | dict[int, float]) -> dict[int, float]:
     if not isinstance(alphas, dict):
-        alphas = {i: alphas for i in layers}
-    alphas = {int(k): v for k, v in alphas.items()}
+        alphas = {i: check_alpha(i, alphas) for i in layers}
+    alphas = check_alpha_map(alphas)
     missing, extra = set(layers) - set(alphas), set(alphas) - set(layers)
     if missing or extra:
         raise ValueError(f"alphas must give one α per pruned layer: missing {sorted(missing)}, extra {sorted(extra)}")
-    for layer, a in alphas.items():
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or not 0.0 <= a <= 1.0:
-            raise ValueError(f"α for layer {layer} is {a!r}: α must be a number in [0, 1]")
-    return {k: float(v) for k, v in alphas.items()}
+    return alphas
 
 
 def check_layers(adapter: Adapter, layers: str | Iterable[int]) -> list[int]:
-    """The one validation of a layer set (pruning and α search): parsed, in range, each once, none pruned yet.
+    """The one validation of a layer set (pruning and α search): parsed, not empty, in range, each once, none pruned
+    yet.
 
     Args:
         layers: 0-based indices or a spec such as "top:8" (see parse_layers).
@@ -116,6 +195,8 @@ def check_layers(adapter: Adapter, layers: str | Iterable[int]) -> list[int]:
         The layers, sorted ascending.
     """
     layers = parse_layers(layers, adapter.n_layers)
+    if not layers:
+        raise ValueError("no layers given: name at least one layer, e.g. 'top:8' or [28, 29]")
     for i in layers:
         adapter.check_layer(i)
     if len(set(layers)) != len(layers):
@@ -161,10 +242,10 @@ def _prune_layer(adapter: Adapter, i: int, alpha: float, fold: bool) -> None:
     in_o_proj = not adapter.scale_after_norm(i, alpha, fold)
     if fold:
         bypass = BypassAttention(attn.v_proj, _folded_o_proj(adapter, attn.o_proj, alpha if in_o_proj else 1.0),
-                                 adapter.head_dim, 1, None)
+                                 adapter.head_dim, 1, None, alpha)
     else:
         bypass = BypassAttention(attn.v_proj, attn.o_proj, adapter.head_dim, adapter.n_rep,
-                                 alpha if in_o_proj else None)
+                                 alpha if in_o_proj else None, alpha)
     adapter.set_attention(i, bypass)
 
 
@@ -206,24 +287,22 @@ def apply_harp(
     """
     adapter = get_adapter(model)
     layers = check_layers(adapter, layers)
-    alphas = _check_alphas(layers, alphas)
+    if meta is not None and not isinstance(meta, dict):
+        raise ValueError(f"meta must be a mapping, got {type(meta).__name__}")
+    plan = HarpPlan(fingerprint(model.config), _check_alphas(layers, alphas), fold, dict(meta or {}))
+    previous = getattr(model, "harp_plan", None)
+    if previous is not None and previous.fold != fold:
+        raise ValueError(f"this model's layers {previous.layers} were pruned with fold={previous.fold}; prune the "
+                         f"others with the same fold, so one plan describes the model")
+    union = plan if previous is None else HarpPlan(
+        plan.fingerprint, {**previous.alphas, **plan.alphas}, fold, {**previous.meta, **plan.meta})
     # all checks passed: from here on the model changes
     for i in layers:
-        _prune_layer(adapter, i, alphas[i], fold)
+        _prune_layer(adapter, i, plan.alphas[i], fold)
     mark_kv_free(model, layers)
-    plan = HarpPlan(fingerprint(model.config), alphas, fold, dict(meta or {}))
-    previous = getattr(model, "harp_plan", None)
-    model.harp_plan = plan if previous is None else HarpPlan(
-        plan.fingerprint, {**previous.alphas, **alphas}, fold, {**previous.meta, **plan.meta})
+    model.harp_plan = union
     mark_pruned(model)  # model.save_pretrained now writes a pruned checkpoint
     return plan
-
-
-def _restore_plan(model: nn.Module, plan: dict) -> None:
-    model.harp_plan = HarpPlan.from_dict(plan)
-
-
-PLAN_RESTORERS["harp"] = _restore_plan
 
 
 # ---------------------------------------------------------------------------------------------- accounting
@@ -248,6 +327,7 @@ def param_report(model_or_config, plan: HarpPlan) -> dict:
         raise ValueError("this plan was made for another model (fingerprints differ)")
     dense = _meta_model(config)
     adapter = get_adapter(dense)
+    check_layers(adapter, plan.layers)
     total_before = sum(p.numel() for p in dense.parameters())
     denom = sum(_linear_params(layer) for layer in adapter.layers)
     removed_paper = 0

@@ -44,15 +44,18 @@ class BypassAttention(nn.Module):
     """Attention with the attention matrix fixed to the identity: each token is mixed only with itself.
 
     `n_rep > 1` repeats KV heads before o_proj (unfolded form); folded, o_proj already sums the repeated
-    heads and `n_rep == 1`. `scale` is α when it is not folded into the weights.
+    heads and `n_rep == 1`. `scale` is α when it is not folded into the weights. `alpha` is the layer's α wherever
+    it went (here, into o_proj or into Gemma's output norm): folded weights cannot show it, and a checkpoint's plan
+    is checked against it.
     """
 
     harp_kind = "bypass"  # how `describe` recognises it, also as a class from a checkpoint's copy of this file
 
-    def __init__(self, v_proj: nn.Linear, o_proj: nn.Linear, head_dim: int, n_rep: int, scale: float | None):
+    def __init__(self, v_proj: nn.Linear, o_proj: nn.Linear, head_dim: int, n_rep: int, scale: float | None,
+                 alpha: float | None = None):
         super().__init__()
         self.v_proj, self.o_proj = v_proj, o_proj
-        self.head_dim, self.n_rep, self.scale = head_dim, n_rep, scale
+        self.head_dim, self.n_rep, self.scale, self.alpha = head_dim, n_rep, scale, alpha
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
         out = self.o_proj(repeat_heads(self.v_proj(hidden_states), self.head_dim, self.n_rep))
@@ -61,7 +64,7 @@ class BypassAttention(nn.Module):
         return out, None  # no attention weights exist: output_attentions cannot bring attention back
 
     def extra_repr(self) -> str:
-        return f"n_rep={self.n_rep}, scale={self.scale}"
+        return f"n_rep={self.n_rep}, scale={self.scale}, alpha={self.alpha}"
 
 
 class DroppedAttention(nn.Module):
@@ -123,7 +126,7 @@ def _entry(path: str, module: nn.Module) -> dict | None:
     kind = kind_of(module)
     if kind == "bypass":
         return dict(path=path, kind=kind, v_proj=_linear(module.v_proj), o_proj=_linear(module.o_proj),
-                    head_dim=module.head_dim, n_rep=module.n_rep, scale=module.scale)
+                    head_dim=module.head_dim, n_rep=module.n_rep, scale=module.scale, alpha=module.alpha)
     if kind == "constant":
         return dict(path=path, kind=kind, hidden=module.hidden, attention=module.attention,
                     has_value=module.value is not None)
@@ -175,7 +178,7 @@ def _built(entry: dict, current: nn.Module) -> nn.Module:
     kind = entry["kind"]
     if kind == "bypass":
         return BypassAttention(_new_linear(entry["v_proj"]), _new_linear(entry["o_proj"]), entry["head_dim"],
-                               entry["n_rep"], entry["scale"])
+                               entry["n_rep"], entry["scale"], entry.get("alpha"))
     if kind == "dropped":
         return DroppedAttention()
     if kind == "constant":
@@ -229,7 +232,8 @@ class _HarpCheckpoint:
                      for k in sorted(info.get("mismatched_keys", []), key=str)]
         problems += [(k, "is not part of the pruned model") for k in sorted(info.get("unexpected_keys", []))]
         if problems:
-            raise ValueError(f"this pruned checkpoint's weights do not match its structure in config.json: "
+            source = args[0] if args else kwargs.get("pretrained_model_name_or_path", "this checkpoint")
+            raise ValueError(f"{source}: the pruned checkpoint's weights do not match its structure in config.json: "
                              f"{problems[0][0]} {problems[0][1]} ({len(problems)} tensors in all); re-save it from "
                              "the pruned model")
         return (model, info) if want_info else model

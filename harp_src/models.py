@@ -16,15 +16,12 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .files import atomic_path, write_json
-from .modeling_harp import CLASSES, PLAN, STRUCTURE, Scaled, mark_pruned, repeat_heads
-
-# How a pruned checkpoint's plan (config.json `harp_plan`, {kind: dict}) becomes the object pruning would have left
-# on the model: harp.py registers "harp" (HarpPlan), baselines.py "baseline" (PruneRecord).
-PLAN_RESTORERS: dict = {}
+from .modeling_harp import CLASSES, STRUCTURE, Scaled, repeat_heads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,6 +152,9 @@ def resolve_source(name_or_path: str) -> tuple[str, dict]:
         pkg = PACKAGED[name_or_path]
         return str(_converted_dir(pkg)), {"model_id": pkg.name, "checksum": f"sha256:{pkg.gguf_sha256}"}
     if Path(name_or_path).is_dir():
+        if not Path(name_or_path, "config.json").is_file():
+            raise ValueError(f"{name_or_path} is a folder without config.json, so it holds no model; pass a model "
+                             f"folder (config.json and *.safetensors), a Hub id or one of {sorted(PACKAGED)}")
         return name_or_path, {"model_id": str(Path(name_or_path).resolve()), "checksum": _dir_checksum(name_or_path)}
     if "/" not in name_or_path:
         raise ValueError(
@@ -177,53 +177,56 @@ def _dir_checksum(path: str) -> str:
     return "files:" + digest.hexdigest()[:16]
 
 
-def load_model(
+def load_pretrained(
     name_or_path: str = "smollm2-135m",
     dtype: torch.dtype | str = torch.float32,
     device: str | None = "cpu",
     attn_implementation: str | None = None,
     device_map: str | dict | None = None,
 ):
-    """Load a causal LM and its tokenizer.
+    """Load a causal LM and its tokenizer as stored; a pruned checkpoint gets this repository's class for it.
 
-    Args:
-        name_or_path: a packaged name (`smollm2-135m`, `gemma3-270m`, `qwen2.5-coder-1.5b`), a local HF
-            directory, or a Hub id.
-        dtype: torch dtype (or its name, e.g. "bfloat16").
-        device: where to put the model ("cpu", "cuda"); ignored when `device_map` is given.
-        attn_implementation: "sdpa", "eager" (any transformers backend name); None: transformers' choice
-            (sdpa where the family supports it, e.g. not Gemma-2, whose soft-capping needs eager).
-        device_map: passed to transformers/accelerate, e.g. "auto" to spread a large model over GPUs.
+    `harp_src.load_model` (checkpoints.py) is the public entry: it also checks a pruned checkpoint's plan against
+    its structure and puts the plan back on the model. Arguments as there.
 
     Returns:
         (model, tokenizer); `model.harp_source` records the model id and checksum.
     """
     if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
         dtype = getattr(torch, dtype)
     source, provenance = resolve_source(name_or_path)
     kwargs = {"dtype": dtype} | ({"attn_implementation": attn_implementation} if attn_implementation else {})
     if device_map is not None:
         kwargs["device_map"] = device_map
     config = transformers.AutoConfig.from_pretrained(source)
-    pruned = getattr(config, STRUCTURE, None)
-    model_class = _checkpoint_class(config) if pruned else AutoModelForCausalLM
-    model = model_class.from_pretrained(source, **kwargs)
+    model_class = checkpoint_class(config) if getattr(config, STRUCTURE, None) else AutoModelForCausalLM
+    try:
+        model = model_class.from_pretrained(source, **kwargs)
+    except SafetensorError as err:
+        raise ValueError(f"a weight file (*.safetensors) in {source} cannot be read ({err}): it is truncated or "
+                         "not a safetensors file; save or download the model again") from None
+    except OSError as err:
+        if not Path(source).is_dir():
+            raise
+        raise ValueError(f"the model in {source} cannot be loaded ({' '.join(str(err).split())}); the folder needs "
+                         "config.json and its *.safetensors weights: save or download the model again") from None
     if device_map is None and device is not None:
         model = model.to(device)
     model.eval()
     get_adapter(model)  # fail early on an unsupported family
-    for kind, plan in (getattr(config, PLAN, None) or {}).items():
-        if kind not in PLAN_RESTORERS:
-            raise ValueError(f"this checkpoint's plan is of kind {kind!r}; this version reads {sorted(PLAN_RESTORERS)}")
-        PLAN_RESTORERS[kind](model, plan)
-        mark_pruned(model)  # saving it again keeps the plan
-    tok = AutoTokenizer.from_pretrained(source)
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{source} holds no tokenizer that loads ({str(err).splitlines()[0]}); save the tokenizer "
+                         "beside the model, e.g. save_checkpoint(model, dir, tokenizer)") from None
     model.harp_source = provenance
     model.harp_tokenizer = tok  # so that model.save_pretrained(dir) of a pruned model writes it too
     return model, tok
 
 
-def _checkpoint_class(config) -> type:
+def checkpoint_class(config) -> type:
     """The pruned-checkpoint class a config.json names in its auto_map (this repository's own copy of it)."""
     name = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM", "").rpartition(".")[2]
     if name not in CLASSES:
@@ -270,6 +273,24 @@ def fingerprint(config) -> dict:
         "num_heads": cfg.num_attention_heads,
         "num_kv_heads": cfg.num_key_value_heads,
     }
+
+
+FINGERPRINT_TYPES = {"family": str, "num_layers": int, "hidden_size": int, "num_heads": int, "num_kv_heads": int}
+
+
+def check_fingerprint(found) -> dict:
+    """Refuse a fingerprint (as a plan or record stores it) that lacks a field or has one of the wrong type."""
+    if not isinstance(found, dict):
+        raise ValueError(f"fingerprint must be a mapping of {sorted(FINGERPRINT_TYPES)}, got {found!r}")
+    for key, kind in FINGERPRINT_TYPES.items():
+        value = found.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"fingerprint needs {key!r} as {kind.__name__}, got {value!r}; "
+                             "plans and records carry the fingerprint of the model they were made for")
+    extra = sorted(set(found) - set(FINGERPRINT_TYPES))
+    if extra:
+        raise ValueError(f"fingerprint has unknown fields {extra}; it has {sorted(FINGERPRINT_TYPES)}")
+    return found
 
 
 def head_dim(config) -> int:

@@ -92,7 +92,11 @@ class Boundaries:
 
 @contextmanager
 def harp_applied(model, layers, alphas, fold: bool = True):
-    """Temporarily prune copies of `layers`; the original layers and config come back on exit."""
+    """Temporarily prune copies of `layers` (none: the model as it is); the original layers and config come back on
+    exit."""
+    if not layers:
+        yield None
+        return
     ad = get_adapter(model)
     layers = sorted(layers)
     originals = {i: ad.layers[i] for i in layers}

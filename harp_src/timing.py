@@ -31,11 +31,19 @@ VARIANTS = ("dense", "HARP")
 
 
 # ---------------------------------------------------------------------------------------------- plumbing
+def check_threads(threads: int | None) -> int | None:
+    """None (torch's setting) or a whole number of threads >= 1; anything else is refused, not replaced."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a whole number >= 1 (or None for torch's setting), got {threads!r}")
+    return threads
+
+
 @contextlib.contextmanager
 def num_threads(threads: int | None):
     """Run with a fixed intra-op thread count (None: leave torch's setting)."""
+    check_threads(threads)
     before = torch.get_num_threads()
-    if threads:
+    if threads is not None:
         torch.set_num_threads(threads)
     try:
         yield torch.get_num_threads()

@@ -8,8 +8,8 @@ from harp_src.__main__ import main, parse_alphas
 
 
 def test_parse_alphas():
-    assert parse_alphas("0.5", [1, 2]) == 0.5
-    assert parse_alphas("22=0.5,23=0.25", [22, 23]) == {22: 0.5, 23: 0.25}
+    assert parse_alphas("0.5") == 0.5
+    assert parse_alphas("22=0.5,23=0.25") == {22: 0.5, 23: 0.25}
 
 
 @pytest.mark.slow

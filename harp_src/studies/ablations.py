@@ -6,10 +6,11 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from ..checkpoints import load_model
 from ..data import ppl_windows
 from ..harp import n_values, parse_layers, quarter_depth
 from ..importance import layer_scores, lowest
-from ..models import fingerprint, load_model, model_info
+from ..models import fingerprint, model_info
 from ..prefix import Boundaries, ppl_of_plan
 from ..search import search_alphas
 

@@ -8,10 +8,11 @@ import time
 import numpy as np
 import pandas as pd
 
+from ..checkpoints import load_model
 from ..data import calibration_samples, ppl_windows
 from ..evaluate import fidelity_windows, reference_states
 from ..harp import HarpPlan, param_report, parse_layers, quarter_depth
-from ..models import fingerprint, load_model, model_info
+from ..models import fingerprint, model_info
 from ..paper import LLAMA31_8B, official_llama31_8b_alphas
 from ..prefix import Boundaries, harp_applied, ppl_of_plan
 from ..search import GRID, bootstrap_counts, closed_form_alphas, refine_alphas, resample_search, search_alphas

@@ -20,6 +20,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from ..baselines import METHODS, SCOPES, budgets, prune
+from ..checkpoints import load_model
 from ..data import ppl_windows
 from ..evaluate import (
     FIDELITY_METRICS,
@@ -31,7 +32,7 @@ from ..evaluate import (
     task_scores,
 )
 from ..harp import apply_harp, parse_layers, quarter_depth
-from ..models import fingerprint, get_adapter, load_model, model_info
+from ..models import fingerprint, get_adapter, model_info
 from ..search import search_alphas
 from ..slicing import Units, units
 from ..stats import mean_ci, paired_table

@@ -12,11 +12,12 @@ import time
 
 import pandas as pd
 
+from ..checkpoints import load_model
 from ..data import ppl_windows
 from ..evaluate import CLOZE, DISCRIMINATIVE, GENERATION, fidelity, limits_for, run_tasks, task_scores
 from ..harp import apply_harp, parse_layers, quarter_depth
 from ..longcontext import long_context_eval, multidoc_items, passkey_items
-from ..models import fingerprint, load_model, model_info
+from ..models import fingerprint, model_info
 from ..search import search_alphas
 from ..stats import aligned, decided, mean_ci, mean_of_means_ci, paired_table
 

@@ -21,6 +21,7 @@ import torch
 from scipy import stats as sstats
 from tqdm.auto import tqdm
 
+from ..checkpoints import load_model
 from ..data import ppl_windows
 from ..evaluate import fidelity_windows, reference_states
 from ..finetune import FinetuneSpec, check_steps, lora_finetune
@@ -37,7 +38,7 @@ from ..heads import (
     taylor_head_scores,
 )
 from ..lrp import lrp_head_scores
-from ..models import get_adapter, load_model, model_info, text_config
+from ..models import get_adapter, model_info, text_config
 from ..prefix import Boundaries, harp_applied
 from ..search import GRID, search_alphas
 from ..stats import decided, mean_ci, paired_difference

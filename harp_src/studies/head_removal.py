@@ -8,10 +8,11 @@ import pandas as pd
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
+from ..checkpoints import load_model
 from ..data import ppl_windows
 from ..evaluate import greedy_text
 from ..harp import HarpPlan, apply_harp, n_values, param_report, parse_layers, quarter_depth
-from ..models import fingerprint, load_model, model_info, resolve_source
+from ..models import fingerprint, model_info, resolve_source
 from ..prefix import Boundaries, nll_of_plan
 
 SAVINGS = [("parameters removed, paper convention", "ratio_paper"), ("parameters removed, whole model", "ratio_model"),

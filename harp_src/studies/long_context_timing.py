@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pandas as pd
 
+from ..checkpoints import load_model
 from ..flops import speedup_bound
 from ..harp import HarpPlan, param_report, quarter_depth
-from ..models import fingerprint, load_model, model_info
+from ..models import fingerprint, model_info
 from ..paper import PAPER_LLAMA31_8B, llama31_8b_config, official_llama31_8b_alphas
 from ..timing import compare, harp_copy
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 
 from ..analysis import layer_metrics
+from ..checkpoints import load_model
 from ..data import ppl_windows
-from ..models import load_model
 
 
 def analyse_models(models: list[str], n_windows: int, seq_len: int, seed: int, dtype: str = "float32",
