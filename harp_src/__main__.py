@@ -17,17 +17,21 @@ import time
 from pathlib import Path
 
 from .checkpoints import check_save_target, load_model, save_checkpoint
-from .data import ppl_windows
-from .evalbench import bench_task, check_task
-from .evaluate import perplexity
-from .files import atomic_path
-from .flops import search_flops
-from .harp import HarpPlan, apply_harp, check_layers, param_report, parse_layer_key
-from .models import fingerprint, get_adapter, model_info
-from .paper import llama31_8b_config
-from .results import run_info
-from .search import GRID, benchmark_search, search_alphas
-from .timing import check_threads, compare, harp_copy
+from .data.corpora import ppl_windows
+from .eval.perplexity import perplexity
+from .measure.evalbench import bench_task, check_task
+from .measure.flops import search_flops
+from .measure.search_bench import benchmark_search
+from .measure.timing import check_threads, compare, harp_copy
+from .method.accounting import param_report
+from .method.harp import HarpPlan, apply_harp
+from .method.layers import check_layers, parse_layer_key
+from .method.search import GRID, search_alphas
+from .model.adapter import fingerprint, get_adapter
+from .model.loading import model_info
+from .model.paper import llama31_8b_config
+from .report.files import atomic_path
+from .report.results import run_info
 
 
 def parse_alphas(text: str) -> float | dict[int, float]:
@@ -150,7 +154,7 @@ def cmd_search(args) -> dict:
     out = {"model": model_info(model), "layers": layers, "calib": f"{args.corpus}/train", "n_windows": args.n_windows,
            "seq_len": args.seq_len, "seed": args.seed}
     if args.compare_naive:  # cached and naive candidate evaluations interleaved (A B, B A, ...), fixed threads
-        bench = benchmark_search(model, calib, layers, grid, args.batch_size, args.threads)
+        bench = benchmark_search(model, calib, layers, grid, batch_size=args.batch_size, threads=args.threads)
         alphas, history = bench.pop("alphas"), bench.pop("history")
         llama = search_flops(llama31_8b_config(), list(range(24, 32)), len(grid), args.seq_len)  # paper: top-8
         out |= {**bench, "search_s": bench["cached_s"], "llama31_8b_flop_ratio": llama["predicted_ratio"],
@@ -191,8 +195,9 @@ def cmd_timing(args) -> dict:
     else:
         layers = check_layers(get_adapter(model), args.layers)
         harp, plan = harp_copy(model, layers, alphas)
-    summary, _ = compare(model, harp, seq_lens, args.repeats, args.warmup, args.decode_steps, args.threads,
-                         args.seed)
+    summary, _ = compare(model, harp, seq_lens, repeats=args.repeats, warmup=args.warmup,
+                         decode_steps=args.decode_steps, threads=args.threads,
+                         seed=args.seed)
     summary.insert(0, "model", args.model)
     if args.csv:
         with atomic_path(args.csv) as tmp:
@@ -211,7 +216,8 @@ def cmd_evalbench(args) -> dict:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1 items per task, got {args.limit}")
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    rows = [bench_task(model, tok, task, args.limit, args.fewshot, args.repeats, args.warmup, args.threads)
+    rows = [bench_task(model, tok, task, args.limit, args.fewshot, repeats=args.repeats, warmup=args.warmup,
+                       threads=args.threads)
             for task in tasks]
     return {"model": model_info(model), "info": run_info(0, args.device), "rows": rows}
 

@@ -23,11 +23,11 @@ import transformers
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from .baselines import PruneRecord
-from .files import read_json, set_default_modes
-from .harp import HarpPlan
-from .modeling_harp import CLASSES, PLAN, STRUCTURE, describe, mark_pruned
-from .models import ROOT, load_pretrained, resolve_source
+from .method.harp import HarpPlan
+from .model.loading import load_pretrained, resolve_source
+from .model.modeling_harp import CLASSES, PLAN, STRUCTURE, describe, mark_pruned
+from .pruning.record import PruneRecord
+from .report.files import ROOT, read_json, set_default_modes
 
 # The files a checkpoint consists of (model, config, this repository's modeling file, tokenizer); anything else in a
 # folder is somebody's, and the folder is never replaced.
@@ -35,7 +35,9 @@ CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors"
                     "model.safetensors.index.json", "modeling_harp.py", "tokenizer.json", "tokenizer_config.json",
                     "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
                     "added_tokens.json")
-PLAN_KINDS = ("harp", "baseline")
+# The registry of plan kinds a checkpoint's config.json can carry (`harp_plan`: {kind: dict}), filled here, where
+# checkpoints are loaded, so restoring a plan never depends on which modules happen to have been imported.
+PLAN_KINDS: dict[str, type] = {"harp": HarpPlan, "baseline": PruneRecord}
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -132,7 +134,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, tokenizer=No
     holding nothing else and `overwrite` is True (see `check_save_target`).
 
     Args:
-        model: a causal LM, typically after `apply_harp` or `baselines.prune`.
+        model: a causal LM, typically after `apply_harp` or `pruning.prune.prune`.
         directory: the checkpoint folder.
         tokenizer: saved beside the weights (default: the one `load_model` attached to the model, if any).
         overwrite: replace an existing checkpoint of this project at `directory`.
@@ -187,9 +189,8 @@ def checkpoint_plans(config: dict, where: str) -> tuple[HarpPlan | None, PruneRe
     if not isinstance(plans, dict) or not set(plans) <= set(PLAN_KINDS):
         found = sorted(plans) if isinstance(plans, dict) else type(plans).__name__
         raise ValueError(f"{where}: {PLAN} holds {found}; this version reads the kinds {list(PLAN_KINDS)}")
-    harp = HarpPlan.from_dict(plans["harp"], f"{where} ({PLAN}.harp)") if "harp" in plans else None
-    record = PruneRecord.from_dict(plans["baseline"], f"{where} ({PLAN}.baseline)") if "baseline" in plans else None
-    return harp, record
+    restored = {kind: PLAN_KINDS[kind].from_dict(d, f"{where} ({PLAN}.{kind})") for kind, d in plans.items()}
+    return restored.get("harp"), restored.get("baseline")
 
 
 def _dense_meta_model(config: transformers.PretrainedConfig) -> nn.Module:

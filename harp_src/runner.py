@@ -15,9 +15,8 @@ from pathlib import Path
 import papermill as pm
 import yaml
 
-from .models import ROOT
-
-NOTEBOOKS = ROOT / "notebooks"
+from .report.files import ROOT
+from .report.params import NOTEBOOKS, parameter_spec, parameters_source
 
 
 def profile_parameters(profile: str, notebook: str) -> dict:
@@ -30,10 +29,22 @@ def profile_parameters(profile: str, notebook: str) -> dict:
     return {"PROFILE": profile, **spec.get("common", {}), **spec.get(notebook, {})}
 
 
+def check_profile(notebook: str, values: dict) -> dict:
+    """Refuse a profile that sets a parameter the notebook's parameters cell does not have (a typo would otherwise
+    be injected, ignored, and found hours later)."""
+    known = parameter_spec(parameters_source(notebook))
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"the profile sets {unknown[0]!r}, which notebook {notebook} has no parameter of; its "
+                         f"parameters are {sorted(known)}")
+    return values
+
+
 def run_notebook(path: Path, profile: str, out_dir: Path) -> tuple[str, float, str]:
     start = time.time()
     try:
-        pm.execute_notebook(str(path), str(out_dir / path.name), parameters=profile_parameters(profile, path.stem),
+        parameters = check_profile(path.stem, profile_parameters(profile, path.stem))
+        pm.execute_notebook(str(path), str(out_dir / path.name), parameters=parameters,
                             cwd=str(NOTEBOOKS), progress_bar=False, request_save_on_cell_execute=True)
         return "ok", time.time() - start, ""
     except Exception as err:  # one failed notebook must not lose the others

@@ -9,8 +9,9 @@ from conftest import make_tiny
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from harp_src import apply_harp
-from harp_src.analysis import attention_entropy, layer_metrics, mean_pairwise_cosine, one_minus_cos
-from harp_src.models import get_adapter
+from harp_src.eval.smoothing import attention_entropy, layer_metrics, mean_pairwise_cosine, one_minus_cos
+from harp_src.method.layer_choice import lowest_layers, taylor_sensitivity
+from harp_src.model.adapter import get_adapter
 
 
 def test_similarity_by_hand():
@@ -74,8 +75,6 @@ def test_pruned_layers_report_no_attention_metrics():
 
 def test_taylor_sensitivity_is_the_gate_derivative():
     """Σ grad · a equals d loss / d g for a scalar gate g multiplying the branch, at g = 1 (computed separately)."""
-    from harp_src.importance import lowest, taylor_sensitivity
-
     model = make_tiny("llama").double()
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     scores = taylor_sensitivity(model, ids)
@@ -89,4 +88,4 @@ def test_taylor_sensitivity_is_the_gate_derivative():
     import pandas as pd
 
     table = pd.DataFrame({"layer": range(4), "taylor": [scores[i] for i in range(4)]})
-    assert lowest(table, "taylor", 2) == sorted(sorted(range(4), key=lambda i: scores[i])[:2])
+    assert lowest_layers(table, "taylor", 2) == sorted(sorted(range(4), key=lambda i: scores[i])[:2])

@@ -21,9 +21,10 @@ from transformers import AutoTokenizer
 
 from harp_src import HarpPlan, apply_harp, load_model, prune, save_checkpoint, search_alphas
 from harp_src.__main__ import main
-from harp_src.baselines import PruneRecord
 from harp_src.checkpoints import check_save_target
-from harp_src.models import ROOT, resolve_source
+from harp_src.model.loading import resolve_source
+from harp_src.pruning.record import PruneRecord
+from harp_src.report.files import ROOT
 
 ALPHAS = {2: 0.5, 3: 1.0}
 

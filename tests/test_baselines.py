@@ -9,17 +9,22 @@ from conftest import make_tiny
 from torch import nn
 from torch.testing import assert_close
 
-from harp_src import apply_harp, baselines
-from harp_src.baselines import METHODS, SCOPES, PruneRecord, capacity, compensation, prune
-from harp_src.modeling_harp import Constant
-from harp_src.models import fingerprint, get_adapter
-from harp_src.slicing import keep_channels, units
+from harp_src import apply_harp
+from harp_src.measure.timing import latency_pair
+from harp_src.model.adapter import fingerprint, get_adapter
+from harp_src.model.modeling_harp import Constant
+from harp_src.pruning import methods
+from harp_src.pruning.budgets import budgets, capacity
+from harp_src.pruning.flap import compensation
+from harp_src.pruning.methods import METHODS, SCOPES
+from harp_src.pruning.prune import prune
+from harp_src.pruning.record import PruneRecord
+from harp_src.pruning.slicing import keep_channels, units
 from harp_src.studies.equal_budget import HARP, pruned_key, variants, versus_harp
-from harp_src.timing import latency_pair
 
 FAMILIES = ["llama", "qwen2", "gemma3"]  # GQA (2 KV heads of 4), GQA with q/k/v biases, MQA
 CASES = [(m, s) for m in METHODS for s in SCOPES[m]]
-FINE = set(baselines.FINE)
+FINE = set(methods.FINE)
 
 
 def n_params(model) -> int:
@@ -159,7 +164,7 @@ def test_compensation_keeps_output_for_a_constant_channel():
 def test_harp_then_flap_on_mlp_fills_the_release_budget():
     model = make_tiny("llama")
     plan = apply_harp(model, "top:2", {2: 0.5, 3: 0.0})
-    b = baselines.budgets(model, plan)
+    b = budgets(model, plan)
     assert b["release"] > b["harp"] > 0
     record = prune(model, "flap", b["release"] - b["harp"], calib(), scope="mlp", progress=False)
     assert abs(record.params_removed - (b["release"] - b["harp"])) <= 0.02 * b["release"]

@@ -17,11 +17,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from harp_src import apply_harp, load_model
 from harp_src.__main__ import main
-from harp_src.baselines import prune
 from harp_src.checkpoints import save_checkpoint, tensor_bytes, weights_bytes
-from harp_src.modeling_harp import STRUCTURE, mark_pruned
-from harp_src.models import resolve_source
-from harp_src.prefix import harp_applied
+from harp_src.method.harp import harp_applied
+from harp_src.model.loading import resolve_source
+from harp_src.model.modeling_harp import STRUCTURE, mark_pruned
+from harp_src.pruning.prune import prune
 
 ALPHAS = {1: 0.0, 2: 0.4, 3: 1.0}  # a dropped layer, a rescaled one, a plain bypass
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,6 +154,29 @@ torch.save(out, {out!r})
 """
 
 
+@pytest.mark.parametrize("how", ["harp", "flap", "attn-drop-top"])
+def test_harp_and_baseline_checkpoints_load_in_a_fresh_process_with_plain_transformers(how, tokenizer, tmp_path):
+    """Nothing is registered by importing a module: a HARP and a baseline checkpoint both load where harp_src
+    cannot even be imported, through the checkpoint's own modeling file, and give the same logits and greedy text."""
+    model = make_tiny("qwen2")
+    if how == "harp":
+        apply_harp(model, [1, 3], {1: 0.0, 3: 0.6})
+    else:
+        prune(model, how, 20_000, ids(4, 16, seed=1), progress=False)
+    save_checkpoint(model, tmp_path / "ckpt", tokenizer)
+    x = ids(2, 12)
+    torch.save(x, tmp_path / "ids.pt")
+    expected = logits(model, x), model.generate(x[:1], max_new_tokens=8, do_sample=False, use_cache=True)
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    script = FRESH_PROCESS.format(load=LOADERS["transformers only"].format(ckpt=str(tmp_path / "ckpt")),
+                                  ids=str(tmp_path / "ids.pt"), out=str(tmp_path / "out.pt"))
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=tmp_path, timeout=300)
+    out = torch.load(tmp_path / "out.pt")
+    assert_close(out["logits"], expected[0], rtol=0, atol=0)
+    assert torch.equal(out["greedy"], expected[1])
+    assert list((tmp_path / "modules").rglob("modeling_harp.py"))  # the checkpoint's own copy served
+
+
 def test_accelerate_offload_gives_the_same_logits(tokenizer, tmp_path):
     model = make_tiny("llama")
     apply_harp(model, [2, 3], {2: 0.5, 3: 0.0})
@@ -177,7 +200,7 @@ def test_lm_eval_cli_runs_a_pruned_checkpoint(tmp_path):
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
     cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
            f"pretrained={tmp_path / 'ckpt'},trust_remote_code=True", "--tasks", "arc_easy", "--limit", "3",
-           "--include_path", str(ROOT / "harp_src" / "lm_tasks"), "--output_path", str(tmp_path / "out")]
+           "--include_path", str(ROOT / "harp_src" / "data" / "lm_tasks"), "--output_path", str(tmp_path / "out")]
     subprocess.run(cmd, check=True, env=env, cwd=tmp_path, timeout=600)
     result = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
     assert 0.0 <= result["results"]["arc_easy"]["acc,none"] <= 1.0

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from harp_src.data import MANIFEST, bos_id, calibration_samples, corpus_text, disjoint_samples, ppl_windows
+from harp_src.data.corpora import MANIFEST, bos_id, calibration_samples, corpus_text, disjoint_samples, ppl_windows
 
 
 class ToyTokenizer:

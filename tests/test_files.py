@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from harp_src.files import atomic_path, write_json, write_text
+from harp_src.report.files import atomic_path, write_json, write_text
 
 
 def test_write_replaces_whole_files(tmp_path):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from harp_src.finetune import FinetuneSpec, check_steps, lora_finetune, next_token_loss, target_modules
-from harp_src.harp import apply_harp
-from harp_src.models import get_adapter
+from harp_src.heads.finetune import FinetuneSpec, check_steps, lora_finetune, next_token_loss, target_modules
+from harp_src.method.harp import apply_harp
+from harp_src.model.adapter import get_adapter
 
 SPEC = FinetuneSpec(steps=30, lr=1e-2, seed=0)
 

@@ -8,10 +8,11 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from harp_src import HarpPlan, apply_harp, load_model, param_report
-from harp_src.harp import kv_cache_bytes, parse_layers
-from harp_src.modeling_harp import BypassAttention
-from harp_src.models import fingerprint, get_adapter
-from harp_src.paper import llama31_8b_config, official_llama31_8b_alphas
+from harp_src.measure.kv import kv_cache_bytes
+from harp_src.method.layers import parse_layers
+from harp_src.model.adapter import fingerprint, get_adapter
+from harp_src.model.modeling_harp import BypassAttention
+from harp_src.model.paper import llama31_8b_config, official_llama31_8b_alphas
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 

@@ -7,24 +7,14 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from harp_src.evaluate import reference_states
-from harp_src.finetune import FinetuneSpec
-from harp_src.head_pruning import (
-    check_fraction,
-    choose_heads,
-    count_heads,
-    iterative_schedule,
-    without,
-)
-from harp_src.heads import slice_off_heads
-from harp_src.models import get_adapter
-from harp_src.slicing import balanced_groups
-from harp_src.studies.head_importance import (
-    half_heads_bound,
-    head_importance_study,
-    heads_attention_flops,
-    iterative_rows,
-)
+from harp_src.eval.fidelity import reference_states
+from harp_src.heads.choice import check_fraction, choose_heads, count_heads, iterative_schedule, without
+from harp_src.heads.finetune import FinetuneSpec
+from harp_src.heads.removal import slice_off_heads
+from harp_src.measure.flops import half_heads_bound, heads_attention_flops
+from harp_src.model.adapter import get_adapter
+from harp_src.pruning.slicing import balanced_groups
+from harp_src.studies.head_importance import HeadImportanceParams, ModelRun, head_importance_study, iterative_rows
 
 
 @pytest.mark.parametrize("bad", [0, 1, 1.5, -0.1, True, "0.5", None])
@@ -88,8 +78,9 @@ def test_iterative_loop_removes_the_scheduled_counts_and_fine_tunes(ids):
     calib, ft, test = (torch.randint(3, 128, (n, 16), generator=g) for n in (2, 2, 2))
     states = reference_states(dense, test)
     before = [p.detach().clone() for p in dense.parameters()]
-    parts, log, removed = iterative_rows(dense, "taylor", 0.5, 0.1, calib, ft, FinetuneSpec(steps=3, lr=1e-2),
-                                         test, states)
+    run = ModelRun("tiny", dense, calib, ft, test, states)
+    params = HeadImportanceParams.defaults(TARGET=0.5, STEP=0.1, SEED=0)
+    parts, log, removed = iterative_rows(run, "taylor", params, FinetuneSpec(steps=3, lr=1e-2))
     schedule = iterative_schedule(ad, 0.5, 0.1)
     assert [r["heads_removed"] for r in log] == schedule == [2, 4, 6, 8]
     assert count_heads(removed) == 8 and len(parts) == 4
@@ -97,7 +88,7 @@ def test_iterative_loop_removes_the_scheduled_counts_and_fine_tunes(ids):
     for p, q in zip(dense.parameters(), before, strict=True):  # the loop worked on a copy
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     with pytest.raises(ValueError, match="steps"):
-        iterative_rows(dense, "taylor", 0.5, 0.1, calib, ft, FinetuneSpec(steps=0), test, states)
+        iterative_rows(run, "taylor", params, FinetuneSpec(steps=0))
 
 
 @pytest.mark.parametrize("n", [2, 4, 6, 10, 16])
@@ -128,14 +119,13 @@ def test_half_heads_bound_is_below_two_when_k_and_v_stay():
     assert heads_attention_flops(config, {0: 4, 1: 4, 2: 2, 3: 0}, t) == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(fractions=[1.5]), "strictly between"),
-                                           (dict(target=0.0), "strictly between"),
-                                           (dict(iterative_metrics=["nope"]), "unknown metric"),
-                                           (dict(ft_steps=0), "steps"),
-                                           (dict(n_sens=9), "N_SENS")])
+@pytest.mark.parametrize("kwargs, match", [(dict(FRACTIONS=[1.5]), "strictly between"),
+                                           (dict(TARGET=0.0), "strictly between"),
+                                           (dict(ITERATIVE_METRICS=["nope"]), "unknown metric"),
+                                           (dict(FT_STEPS=0), "steps"),
+                                           (dict(N_SENS=9), "N_SENS")])
 def test_study_refuses_bad_parameters_before_loading_anything(kwargs, match):
-    args = dict(models=["no-such-model"], n_calib=1, n_ft=1, n_test=2, n_sens=1, seq_len=16, fractions=[0.5],
-                target=0.5, step=0.1, iterative_metrics=["taylor"], ft_steps=1, ft_lr=1e-4, sensitivity_grid=[0.0, 1.0],
-                savings_fractions=[0.5], savings_len=16, savings_repeats=0, seed=0, dtype="float32", device="cpu")
+    params = HeadImportanceParams.defaults(**{"MODELS": ["no-such-model"], "N_TEST": 2, "ITERATIVE_METRICS": ["taylor"],
+                                              **kwargs})
     with pytest.raises(ValueError, match=match):
-        head_importance_study(**{**args, **kwargs})
+        head_importance_study(params)

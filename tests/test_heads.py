@@ -7,18 +7,10 @@ import pytest
 import torch
 from conftest import FAMILIES, make_tiny
 
-from harp_src.heads import (
-    HeadGates,
-    gate_gradients,
-    head_statistics,
-    js_divergence,
-    most_redundant,
-    pattern_stats,
-    slice_off_heads,
-    taylor_head_scores,
-    window_loss,
-)
-from harp_src.models import get_adapter
+from harp_src.heads.gates import HeadGates, gate_gradients, taylor_head_scores, window_loss
+from harp_src.heads.patterns import head_statistics, js_divergence, most_redundant, pattern_stats
+from harp_src.heads.removal import slice_off_heads
+from harp_src.model.adapter import get_adapter
 
 
 def logits(model, ids):

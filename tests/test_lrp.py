@@ -6,7 +6,7 @@ from conftest import FAMILIES, make_tiny
 from torch.testing import assert_close
 
 from harp_src import apply_harp
-from harp_src.lrp import (
+from harp_src.heads.lrp import (
     LRP_ATTENTION,
     lrp_head_scores,
     lrp_relevance,
@@ -14,7 +14,7 @@ from harp_src.lrp import (
     override_gradient,
     target_logits,
 )
-from harp_src.models import get_adapter
+from harp_src.model.adapter import get_adapter
 
 CONSERVATION = dict(rtol=1e-4, atol=1e-6)  # measured: ≤ 2e-6 relative in fp32
 

@@ -8,16 +8,9 @@ from conftest import make_tiny
 from transformers import Gemma3TextConfig, LlamaConfig
 
 from harp_src import load_model, perplexity, ppl_windows
-from harp_src.models import (
-    PACKAGED,
-    Packaged,
-    family_of,
-    get_adapter,
-    head_dim,
-    hub_reachable,
-    repeat_heads,
-    resolve_source,
-)
+from harp_src.model.adapter import family_of, get_adapter, head_dim
+from harp_src.model.loading import PACKAGED, Packaged, hub_reachable, resolve_source
+from harp_src.model.modeling_harp import repeat_heads
 
 
 def test_adapter_exposes_every_family(family):

@@ -6,8 +6,7 @@ into .runs/quick/figures/; a metrics file written during this pytest session is 
 runs twice. Run alone (or after a failed nbval run), the test executes the notebook itself into a temp folder.
 """
 
-import ast
-import json
+import importlib
 from pathlib import Path
 
 import papermill as pm
@@ -15,9 +14,12 @@ import pytest
 from conftest import SESSION_START
 
 from harp_src import runner
-from harp_src.results import check_parameters, check_values, output_dir, parameter_spec, parameters_source, read_metrics
+from harp_src.report.params import StudyParams, check_parameters, check_values, parameter_spec, parameters_source
+from harp_src.report.results import output_dir, read_metrics
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+STUDY_MODULES = sorted(f"harp_src.studies.{p.stem}" for p in (NOTEBOOKS.parent / "harp_src" / "studies").glob("*.py")
+                       if p.stem != "__init__")
 pytestmark = pytest.mark.slow
 
 GOLDEN = {
@@ -160,13 +162,22 @@ def test_check_parameters():
         parameter_spec(PARAMETERS_CELL, A="int")
 
 
+def study_params(name: str) -> type[StudyParams]:
+    """The parameter class of a notebook's study (the StudyParams subclass whose NOTEBOOK is `name`)."""
+    for module in STUDY_MODULES:
+        importlib.import_module(module)
+    found = [c for c in all_subclasses(StudyParams) if c.NOTEBOOK == name]
+    assert len(found) == 1, f"{name}: {found}"
+    return found[0]
+
+
+def all_subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *all_subclasses(sub))]
+
+
 def declared_types(name: str) -> dict:
-    """The keyword types a notebook passes to its check_parameters call (e.g. LIMIT=int | dict)."""
-    code = "\n".join("".join(c["source"]) for c in json.loads((NOTEBOOKS / f"{name}.ipynb").read_text())["cells"]
-                     if c["cell_type"] == "code")
-    call = next(node for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Call)
-                and getattr(node.func, "id", "") == "check_parameters")
-    return {kw.arg: eval(compile(ast.Expression(kw.value), name, "eval"), {}) for kw in call.keywords}
+    """The types a notebook's parameter class declares where the defaults do not say them (e.g. LIMIT=int | dict)."""
+    return dict(study_params(name).TYPES)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")))
@@ -180,10 +191,17 @@ def test_notebook_defaults_and_profiles_pass_the_notebooks_own_check(name):
     exec(source, {}, namespace)
     assert set(namespace) == set(spec) and {"PROFILE", "OUT_DIR", "SEED"} <= set(spec)
     check_parameters(name, namespace, **types_)
+    params = study_params(name)
+    assert params.defaults().seed == namespace["SEED"]  # the study's object builds from the defaults
     for profile in runner_profiles():
         values = runner.profile_parameters(profile, name)
         assert set(values) <= set(spec), f"{profile}.yaml sets {set(values) - set(spec)}, which {name} lacks"
         check_values(values, spec)
+        params.defaults(**values)  # and from every profile
+    with pytest.raises(ValueError, match=f"{params.__name__} has no parameter 'N_TYPO'"):
+        params.defaults(N_TYPO=1)
+    with pytest.raises(ValueError, match="needs the parameter 'SEED'"):
+        params.from_values({k: v for k, v in namespace.items() if k != "SEED"})
     assert set(pm.inspect_notebook(str(NOTEBOOKS / f"{name}.ipynb"))) == set(spec)  # papermill can read every one
     with pytest.raises(FileNotFoundError, match="notebooks/"):
         parameters_source("99_missing")
@@ -207,3 +225,9 @@ def test_runner_keeps_going_and_reports(monkeypatch, capsys):
     assert "FAILED" in out and "boom" in out and " ok " in out
     with pytest.raises(SystemExit, match="no profile"):
         runner.main(["--profile", "nope"])
+
+
+def test_runner_refuses_a_profile_name_the_notebook_lacks():
+    with pytest.raises(ValueError, match="'N_WINDOW', which notebook 01_over_smoothing has no parameter of"):
+        runner.check_profile("01_over_smoothing", {"N_WINDOW": 2, "SEED": 0})
+    assert runner.check_profile("01_over_smoothing", {"N_WINDOWS": 2}) == {"N_WINDOWS": 2}

@@ -14,10 +14,10 @@ from conftest import COMMON, FAMILIES, NO_SDPA, make_tiny, tiny_configs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harp_src import apply_harp, load_model
-from harp_src.evalbench import bench_task, check_task
-from harp_src.evaluate import CLOZE, DISCRIMINATIVE, make_lm, run_tasks, task_requests
-from harp_src.models import resolve_source
-from harp_src.scoring import plan_blocks, score_requests
+from harp_src.eval.scoring import plan_blocks, score_requests
+from harp_src.eval.tasks import CLOZE, DISCRIMINATIVE, make_lm, run_tasks, task_requests
+from harp_src.measure.evalbench import bench_task, check_task
+from harp_src.model.loading import resolve_source
 
 SCORED = DISCRIMINATIVE + CLOZE
 LIMITS = {task: 2 for task in SCORED}  # mmlu: the first 2 subjects are kept below

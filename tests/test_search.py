@@ -9,17 +9,11 @@ from conftest import make_tiny
 from transformers import LlamaConfig
 
 from harp_src import apply_harp, load_model, perplexity, ppl_windows
-from harp_src.flops import layer_flops, model_flops, search_flops, speedup_bound
-from harp_src.models import get_adapter
-from harp_src.prefix import Boundaries, chunked_nll, ppl_of_plan
-from harp_src.search import (
-    benchmark_search,
-    bootstrap_counts,
-    closed_form_alphas,
-    refine_alphas,
-    resample_search,
-    search_alphas,
-)
+from harp_src.measure.flops import layer_flops, model_flops, search_flops, speedup_bound
+from harp_src.measure.search_bench import benchmark_search
+from harp_src.method.prefix import Boundaries, chunked_nll, ppl_of_plan
+from harp_src.method.search import bootstrap_counts, closed_form_alphas, refine_alphas, resample_search, search_alphas
+from harp_src.model.adapter import get_adapter
 
 
 def calib(n=4, t=24, seed=0):
@@ -55,13 +49,11 @@ def test_greedy_is_top_down_and_leaves_model_dense():
 
 def test_memo_reuses_shared_top_layers_and_changes_nothing(monkeypatch):
     """Sets that share their top layers share those layers' α's; the memo must skip exactly that work."""
-    from harp_src import prefix
-
     model = make_tiny("gemma3")
     fresh = {tuple(s): search_alphas(model, calib(), s, grid=(0.0, 0.3, 0.6, 1.0)) for s in ([3, 2, 1], [3, 2, 0])}
     calls = []
-    original = prefix.Boundaries.window_nll_from
-    monkeypatch.setattr(prefix.Boundaries, "window_nll_from",
+    original = Boundaries.window_nll_from
+    monkeypatch.setattr(Boundaries, "window_nll_from",
                         lambda self, start: calls.append(start) or original(self, start))
     memo, history = {}, []
     deep = search_alphas(model, calib(), [3, 2, 1], grid=(0.0, 0.3, 0.6, 1.0), memo=memo)

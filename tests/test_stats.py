@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harp_src.stats import decided, mean_ci, paired_difference, paired_table
+from harp_src.eval.stats import decided, mean_ci, paired_difference, paired_table
 
 
 def test_paired_interval_finds_a_known_difference():

@@ -8,10 +8,10 @@ from conftest import make_tiny
 from transformers import LlamaConfig
 
 from harp_src.__main__ import main
-from harp_src.flops import layer_flops, model_flops, speedup_bound
-from harp_src.harp import HarpPlan
-from harp_src.paper import OFFICIAL_LLAMA31_8B_TOP_FIRST
-from harp_src.timing import compare, flop_bounds, harp_copy, kv_bytes_formula
+from harp_src.measure.flops import layer_flops, model_flops, speedup_bound
+from harp_src.measure.timing import compare, flop_bounds, harp_copy, kv_bytes_formula
+from harp_src.method.harp import HarpPlan
+from harp_src.model.paper import OFFICIAL_LLAMA31_8B_TOP_FIRST
 
 COLUMNS = {"median_dense_s", "median_harp_s", "speedup", "flop_bound", "kv_bytes_dense", "kv_bytes_harp",
            "device", "seq_len", "decode_dense_ms", "decode_harp_ms", "peak_mem_dense", "peak_mem_harp"}

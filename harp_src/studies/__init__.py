@@ -1,4 +1,5 @@
-"""The experiment behind each notebook, one module per notebook, each returning tidy tables that `plots` draws.
+"""The experiment behind each notebook, one module per notebook, each taking one frozen parameter object
+(`report.params.StudyParams`) and returning tidy tables that `report.plots` draws.
 
 | notebook | module |
 |---|---|
@@ -11,5 +12,5 @@
 | 07_head_importance | `head_importance` |
 | 08_evaluation | `evaluation` |
 
-Studies import the flat library modules of `harp_src`, never each other.
+Studies import the capability subpackages of `harp_src` (and `checkpoints.load_model`), never each other.
 """

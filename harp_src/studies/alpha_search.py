@@ -2,23 +2,54 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
 
 from ..checkpoints import load_model
-from ..data import calibration_samples, ppl_windows
-from ..evaluate import fidelity_windows, reference_states
-from ..harp import HarpPlan, param_report, parse_layers, quarter_depth
-from ..models import fingerprint, model_info
-from ..paper import LLAMA31_8B, official_llama31_8b_alphas
-from ..prefix import Boundaries, harp_applied, ppl_of_plan
-from ..search import GRID, bootstrap_counts, closed_form_alphas, refine_alphas, resample_search, search_alphas
-from ..stats import mean_ci, paired_difference
+from ..data.corpora import calibration_samples, ppl_windows
+from ..eval.fidelity import fidelity_windows, reference_states
+from ..eval.stats import mean_ci, paired_difference
+from ..method.accounting import param_report
+from ..method.harp import HarpPlan, harp_applied
+from ..method.layers import parse_layers, quarter_depth
+from ..method.prefix import Boundaries, ppl_of_plan
+from ..method.search import GRID, bootstrap_counts, closed_form_alphas, refine_alphas, resample_search, search_alphas
+from ..model.adapter import fingerprint
+from ..model.loading import model_info
+from ..model.paper import LLAMA31_8B, official_llama31_8b_alphas
+from ..report.params import StudyParams
 
 SEARCHED, CLOSED_FORM, REFINED = "HARP, searched α", "HARP, closed-form α*", "HARP, searched + refined α"
+
+
+@dataclass(frozen=True)
+class AlphaSearchParams(StudyParams):
+    """Notebook 03's parameters: the search and its evaluation (N_CALIB … REFINE_SWEEPS), and the calibration-size
+    study (CAL_*: sizes of the disjoint samples, how many, the bootstrapped sample, resamples, test windows)."""
+
+    NOTEBOOK: ClassVar[str] = "03_alpha_search"
+    TYPES: ClassVar[dict] = {"CAL_SIZES": list | dict, "CAL_BOOT": int | dict}
+    models: list[str]
+    n_calib: int
+    n_test: int
+    seq_len: int
+    n_layers: int
+    refine_sweeps: int
+    cal_sizes: list | dict
+    cal_samples: int
+    cal_boot: int | dict
+    cal_n_boot: int
+    cal_test: int
+    cal_boot_plans: int
+    seed: int
+    dtype: str
+    device: str
 
 
 def _timed(timing: list, name: str, method: str, fn, *args, **kwargs):
@@ -29,20 +60,19 @@ def _timed(timing: list, name: str, method: str, fn, *args, **kwargs):
     return result
 
 
-def _variants(model, calib, layers, name: str, refine_sweeps: int, history: list, timing: list) -> dict:
-    """{variant: {layer: α}} for every way of setting α, searches timed into `timing`."""
-    variants = {SEARCHED: _timed(timing, name, "greedy search (cached)", search_alphas, model, calib, layers,
-                                 history=history)}
-    variants[CLOSED_FORM] = _timed(timing, name, "closed-form α*", closed_form_alphas, model, calib, layers)
+def _variants(model, calib, layers, refine_sweeps: int, timed, history: list) -> dict:
+    """{variant: {layer: α}} for every way of setting α; `timed(method, fn, *args, **kwargs)` runs and times each
+    search, `history` collects the greedy search's candidates."""
+    variants = {SEARCHED: timed("greedy search (cached)", search_alphas, model, calib, layers, history=history)}
+    variants[CLOSED_FORM] = timed("closed-form α*", closed_form_alphas, model, calib, layers)
     if refine_sweeps:
-        variants[REFINED] = _timed(timing, name, f"refine ({refine_sweeps} sweep)", refine_alphas, model, calib,
-                                   variants[SEARCHED], sweeps=refine_sweeps)
+        variants[REFINED] = timed(f"refine ({refine_sweeps} sweep)", refine_alphas, model, calib, variants[SEARCHED],
+                                  sweeps=refine_sweeps)
     fixed = {"HARP, α = 1": dict.fromkeys(layers, 1.0), "attention dropped, α = 0": dict.fromkeys(layers, 0.0)}
     return variants | fixed
 
 
-def alpha_study(models: list[str], n_calib: int, n_test: int, seq_len: int, seed: int, dtype: str, device: str,
-                n_layers: int = 0, refine_sweeps: int = 0) -> dict:
+def alpha_study(p: AlphaSearchParams) -> dict:
     """Greedy α search on enwiki-train, then enwiki-test PPL of dense vs HARP with searched / α = 1 / α = 0 /
     closed-form (and refined) α, per model. n_layers = 0 means the paper's depth · 8/32.
 
@@ -51,19 +81,19 @@ def alpha_study(models: list[str], n_calib: int, n_test: int, seq_len: int, seed
         alpha), ablation (model, variant, test_ppl, params_removed, ratio_paper), timing, infos.
     """
     curves, chosen, ablation, timing, infos = [], [], [], [], []
-    for name in models:
-        model, tok = load_model(name, dtype=dtype, device=device)
+    for name in p.models:
+        model, tok = load_model(name, dtype=p.dtype, device=p.device)
         L = fingerprint(model.config)["num_layers"]
-        layers = parse_layers(f"top:{n_layers or quarter_depth(L)}", L)
-        calib = ppl_windows(tok, "enwiki", "train", n_calib, seq_len, seed)
+        layers = parse_layers(f"top:{p.n_layers or quarter_depth(L)}", L)
+        calib = ppl_windows(tok, "enwiki", "train", p.n_calib, p.seq_len, p.seed)
         history: list = []
-        variants = _variants(model, calib, layers, name, refine_sweeps, history, timing)
+        variants = _variants(model, calib, layers, p.refine_sweeps, functools.partial(_timed, timing, name), history)
         curves += [dict(model=name, **{k: r[k] for k in ("layer", "alpha", "calib_ppl")}) for r in history]
         for source, alphas in variants.items():
             if "α =" not in source:
                 chosen += [dict(model=name, layer=i, rank_from_top=L - i, source=source, alpha=a)
                            for i, a in alphas.items()]
-        bounds = Boundaries(model, ppl_windows(tok, "enwiki", "test", n_test, seq_len, seed))
+        bounds = Boundaries(model, ppl_windows(tok, "enwiki", "test", p.n_test, p.seq_len, p.seed))
         for variant, alphas in {"dense": {}, **variants}.items():
             report = param_report(model.config, HarpPlan(fingerprint(model.config), alphas)) if alphas else {}
             ablation.append(dict(model=name, variant=variant, test_ppl=ppl_of_plan(bounds, alphas),
@@ -167,16 +197,17 @@ def _moves(windows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _model_calibration(name: str, spec: dict) -> dict:
-    """The calibration-size study of one model (see `calibration_study`)."""
-    model, tok = load_model(name, dtype=spec["dtype"], device=spec["device"])
+def _model_calibration(name: str, p: AlphaSearchParams, every_size: list[int]) -> dict:
+    """The calibration-size study of one model (see `calibration_study`); `every_size`: all models' sample sizes,
+    at which the bootstrap also resamples."""
+    model, tok = load_model(name, dtype=p.dtype, device=p.device)
     L = fingerprint(model.config)["num_layers"]
-    layers = parse_layers(f"top:{spec['n_layers'] or quarter_depth(L)}", L)
-    sizes, boot_n, n_samples, seq_len = spec["sizes"], spec["boot_windows"], spec["n_samples"], spec["seq_len"]
-    samples, source_sample = calibration_samples(tok, n_samples, sizes, seq_len, spec["seed"], extra=boot_n)
+    layers = parse_layers(f"top:{p.n_layers or quarter_depth(L)}", L)
+    sizes, boot_n, seq_len = list(per_model(p.cal_sizes, name)), int(per_model(p.cal_boot, name)), p.seq_len
+    samples, source_sample = calibration_samples(tok, p.cal_samples, sizes, seq_len, p.seed, extra=boot_n)
     runs = [(n, f"s{k + 1}", calib) for n in sorted(samples) for k, calib in enumerate(samples[n])]
     runs.append((boot_n, "bootstrap source", source_sample))  # disjoint from every sample above
-    test = ppl_windows(tok, "enwiki", "test", spec["n_test"], seq_len, spec["seed"])
+    test = ppl_windows(tok, "enwiki", "test", p.cal_test, seq_len, p.seed)
     ref = reference_states(model, test, QUALITY_BATCH)
     plans, windows, timing, record = [], [], [], {}
 
@@ -197,13 +228,13 @@ def _model_calibration(name: str, spec: dict) -> dict:
             evaluate(alphas, calib_tokens=n * seq_len, sample=sample, method=method)
     source = found  # the last run: the bootstrap source, the largest sample; `record` is its search
     boot = []
-    for n in sorted({n for n in spec["boot_sizes"] if n < boot_n} | {boot_n}):
-        counts = bootstrap_counts(boot_n, n, spec["n_boot"], spec["seed"] + n)
+    for n in sorted({n for n in every_size if n < boot_n} | {boot_n}):
+        counts = bootstrap_counts(boot_n, n, p.cal_n_boot, p.seed + n)
         boot.append(resample_search(record, counts, GRID).assign(calib_tokens=n * seq_len))
     boot = pd.concat(boot, ignore_index=True).assign(model=name)
     boot["rank_from_top"] = L - boot.layer
     largest = boot[boot.calib_tokens == boot_n * seq_len]
-    for r in range(spec["boot_plans"]):
+    for r in range(p.cal_boot_plans):
         part = largest[largest.replicate == r]
         evaluate(dict(zip(part.layer, part.alpha, strict=True)), calib_tokens=boot_n * seq_len,
                  sample=f"resample {r + 1}", method=REPLICATE)
@@ -219,16 +250,15 @@ def _model_calibration(name: str, spec: dict) -> dict:
             "infos": [info]}
 
 
-def calibration_study(models: list[str], sizes, n_samples: int, boot_windows, n_test: int, seq_len: int, seed: int,
-                      dtype: str, device: str, n_layers: int = 0, n_boot: int = 1000, boot_plans: int = 3) -> dict:
+def calibration_study(p: AlphaSearchParams) -> dict:
     """How many calibration tokens does the α search need? Per model, on the top-N layers (N = 0: depth · 8/32):
 
-    - greedy search and closed-form α* on `n_samples` disjoint enwiki-train samples of each size in `sizes`
-      (windows of `seq_len` tokens; a list, or one list per model);
-    - one more disjoint sample of `boot_windows` windows, searched once with per-window NLLs recorded and then
-      bootstrapped at its own size and at every size of any model's `sizes` below it (`resample_search`;
-      validated against the real samples);
-    - every plan's test PPL and KL to dense on `n_test` enwiki-test windows, and `boot_plans` bootstrap plans.
+    - greedy search and closed-form α* on CAL_SAMPLES disjoint enwiki-train samples of each size in CAL_SIZES
+      (windows of SEQ_LEN tokens; a list, or one list per model);
+    - one more disjoint sample of CAL_BOOT windows, searched once with per-window NLLs recorded and then
+      bootstrapped (CAL_N_BOOT resamples) at its own size and at every size of any model's CAL_SIZES below it
+      (`resample_search`; validated against the real samples);
+    - every plan's test PPL and KL to dense on CAL_TEST enwiki-test windows, and CAL_BOOT_PLANS bootstrap plans.
 
     Returns:
         dict of tables: plans (model, calib_tokens, sample, method, layer, alpha, test_ppl, kl_to_dense, …),
@@ -236,20 +266,16 @@ def calibration_study(models: list[str], sizes, n_samples: int, boot_windows, n_
         moves (paired KL differences between samples), timing, dense, infos.
     """
     tables: dict[str, list] = {}
-    every_size = sorted({int(n) for name in models for n in per_model(sizes, name)})
-    for name in models:
-        spec = dict(sizes=list(per_model(sizes, name)), boot_windows=int(per_model(boot_windows, name)),
-                    boot_sizes=every_size,
-                    n_samples=n_samples, n_test=n_test, seq_len=seq_len, seed=seed, dtype=dtype, device=device,
-                    n_layers=n_layers, n_boot=n_boot, boot_plans=boot_plans)
-        for key, value in _model_calibration(name, spec).items():
+    every_size = sorted({int(n) for name in p.models for n in per_model(p.cal_sizes, name)})
+    for name in p.models:
+        for key, value in _model_calibration(name, p, every_size).items():
             tables.setdefault(key, []).append(value)
     infos = [i for part in tables.pop("infos") for i in part]
     return {k: pd.concat(v, ignore_index=True) for k, v in tables.items()} | {"infos": infos}
 
 
 def calibration_table(tables: dict) -> pd.DataFrame:
-    """What `plots.alpha_spread` draws: every plan's α per layer (with the plan's test PPL and KL to dense), and
+    """What `report.plots.alpha_spread` draws: every plan's α per layer (with the plan's test PPL and KL to dense), and
     per size and layer the bootstrap's median α with its 5–95 % range (alpha_low, alpha_high)."""
     boot = tables["bootstrap"]
     bands = (boot.groupby(["model", "calib_tokens", "layer", "rank_from_top"]).alpha

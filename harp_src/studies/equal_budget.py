@@ -1,6 +1,6 @@
 """Notebook 06: at HARP's parameter budget, is HARP better than the structured-pruning baselines, and on what?
 
-For each model: HARP (top N = depth/4 layers, α searched on enwiki-train) fixes two budgets (`baselines.budgets`):
+For each model: HARP (top N = depth/4 layers, α searched on enwiki-train) fixes two budgets (`pruning.budgets.budgets`):
 "harp", what HARP removes, and "release", all attention weights of those layers, which the authors' release scripts
 fill with FLAP on MLP channels (our row "HARP + FLAP"). Every baseline variant is pruned to each budget on the same
 calibration windows, then measured against dense and against HARP: token-level fidelity and perplexity on held-out
@@ -14,34 +14,73 @@ import copy
 import json
 import math
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from ..baselines import METHODS, SCOPES, budgets, prune
 from ..checkpoints import load_model
-from ..data import ppl_windows
-from ..evaluate import (
-    FIDELITY_METRICS,
-    fidelity_summary,
-    fidelity_windows,
-    limits_for,
-    reference_states,
-    run_tasks,
-    task_scores,
-)
-from ..harp import apply_harp, parse_layers, quarter_depth
-from ..models import fingerprint, get_adapter, model_info
-from ..search import search_alphas
-from ..slicing import Units, units
-from ..stats import mean_ci, paired_table
-from ..timing import latency_pair
+from ..data.corpora import ppl_windows
+from ..eval.fidelity import FIDELITY_METRICS, fidelity_summary, fidelity_windows, reference_states
+from ..eval.stats import mean_ci, paired_table
+from ..eval.tasks import limits_for, run_tasks, task_scores
+from ..measure.timing import latency_pair
+from ..method.harp import apply_harp
+from ..method.layers import parse_layers, quarter_depth
+from ..method.search import search_alphas
+from ..model.adapter import fingerprint, get_adapter
+from ..model.loading import model_info
+from ..model.weights import n_params
+from ..pruning.budgets import budgets
+from ..pruning.methods import METHODS, SCOPES
+from ..pruning.prune import prune
+from ..pruning.slicing import Units, units
+from ..report.params import StudyParams
 
 DENSE, HARP, HARP_FLAP = "dense", "HARP", "HARP + FLAP"
 BUDGETS = ("harp", "release")
 REFERENCE = {"harp": HARP, "release": HARP_FLAP}  # what each budget's baselines are paired against
 CORPORA = ("enwiki", "lee")  # held-out test splits: in-domain and out-of-domain text
+TASK_BATCH = 8  # lm-eval requests per forward
+
+
+@dataclass(frozen=True)
+class EqualBudgetParams(StudyParams):
+    """Notebook 06's parameters: the models, the variants, tasks and their sizes, calibration and evaluation windows,
+    HARP's N, and the latency comparison."""
+
+    NOTEBOOK: ClassVar[str] = "06_baselines"
+    TYPES: ClassVar[dict] = {"LIMIT": int | dict, "FEWSHOT": int | dict | None, "TASKS": list[str]}
+    models: list[str]
+    variants: list[str]
+    tasks: list[str]
+    limit: int | dict
+    fewshot: int | dict | None
+    n_calib: int
+    seq_len: int
+    n_eval: int
+    n_layers: int
+    latency_len: int
+    latency_repeats: int
+    latency_budgets: list[str]
+    seed: int
+    dtype: str
+    device: str
+
+
+@dataclass
+class _Run:
+    """One model's share of the study: the dense model, its calibration and evaluation windows, and the dense
+    final states of those windows (dense runs once per window, not once per variant)."""
+
+    name: str
+    dense: object
+    tok: object
+    calib: object
+    windows: dict
+    states: dict
 
 
 def variants(specs: list[str]) -> list[tuple[str, str]]:
@@ -98,15 +137,15 @@ def _recipes(alphas: dict[int, float], budget: dict[str, int], chosen: list[tupl
 
 def _removed(dense_params: int, model, record) -> tuple[int, int]:
     """(parameters really removed, weights zeroed)."""
-    after = sum(p.numel() for p in model.parameters())
-    return dense_params - after, 0 if record is None else record.weights_zeroed
+    return dense_params - n_params(model), 0 if record is None else record.weights_zeroed
 
 
-def _measure(dense, model, windows: dict, states: dict, spec: dict, timed: bool) -> tuple[list[pd.DataFrame], dict]:
-    per_window = [fidelity_windows(dense, model, w, progress=False, ref_states=states[c]).assign(corpus=c)
-                  for c, w in windows.items()]
-    latency = latency_pair(dense, model, spec["latency_len"], spec["latency_repeats"], 1, 8, spec["threads"],
-                           spec["seed"]) if timed and model is not dense else {}
+def _measure(run: _Run, model, p: EqualBudgetParams, timed: bool) -> tuple[list[pd.DataFrame], dict]:
+    """Fidelity per window on every corpus, and (if `timed`) latency interleaved with dense."""
+    per_window = [fidelity_windows(run.dense, model, w, progress=False, ref_states=run.states[c]).assign(corpus=c)
+                  for c, w in run.windows.items()]
+    latency = latency_pair(run.dense, model, p.latency_len, repeats=p.latency_repeats, warmup=1, decode_steps=8,
+                           seed=p.seed) if timed and model is not run.dense else {}
     return per_window, latency
 
 
@@ -132,65 +171,72 @@ def _best_by_method(fid: pd.DataFrame, rows: list[dict]) -> list[str]:
     return list(best.values())
 
 
-def _model_part(name: str, spec: dict) -> dict:
-    start = time.perf_counter()
-    dense, tok = load_model(name, dtype=spec["dtype"], device=spec["device"])
-    L = fingerprint(dense.config)["num_layers"]
-    layers = parse_layers(f"top:{spec['n_layers'] or quarter_depth(L)}", L)
-    calib = ppl_windows(tok, "enwiki", "train", spec["n_calib"], spec["seq_len"], spec["seed"])
-    windows = {c: ppl_windows(tok, c, "test", spec["n_eval"], spec["seq_len"], spec["seed"]) for c in CORPORA}
-    states = {c: reference_states(dense, w) for c, w in windows.items()}  # dense runs once per window, not per variant
-    alphas = search_alphas(dense, calib, layers)
-    budget = budgets(dense, _harp_model(dense, alphas).harp_plan)
-    dense_params = sum(p.numel() for p in dense.parameters())
-    dense_units = units(get_adapter(dense))
+def _variant_rows(run: _Run, p: EqualBudgetParams, alphas: dict[int, float], budget: dict[str, int]) -> tuple:
+    """Every variant pruned and measured: (rows, fidelity per window, {(label, budget): (recipe, record)})."""
+    dense = run.dense
+    dense_params, dense_units = n_params(dense), units(get_adapter(dense))
     rows, fids, records, measured = [], [], {}, {}
-    for recipe in tqdm(_recipes(alphas, budget, spec["variants"]), desc=f"{name}: variants"):
-        model, record = _build(dense, recipe, calib)
+    for recipe in tqdm(_recipes(alphas, budget, variants(p.variants)), desc=f"{run.name}: variants"):
+        model, record = _build(dense, recipe, run.calib)
         removed, zeroed = _removed(dense_params, model, record)
         twin = pruned_key(recipe, record, dense_units)
         same_as = measured[twin][0] if twin in measured else ""
         if same_as:  # e.g. a heads+mlp variant that took no head is the mlp variant: measured once
             per_window, latency = measured[twin][1:]
         else:
-            per_window, latency = _measure(dense, model, windows, states, spec,
-                                           recipe["budget"] in spec["latency_budgets"])
+            per_window, latency = _measure(run, model, p, recipe["budget"] in p.latency_budgets)
             if twin is not None:
                 measured[twin] = (recipe["label"], per_window, latency)
-        key = (recipe["label"], recipe["budget"])
         fids += [f.assign(label=recipe["label"], budget=recipe["budget"]) for f in per_window]
         rows.append({**{k: recipe[k] for k in ("label", "method", "scope", "budget", "kind")},
                      "budget_params": budget.get(recipe["budget"], 0), "params_removed": removed,
                      "weights_zeroed": zeroed, "same_as": same_as, **latency})
-        records[key] = (recipe, record)
+        records[(recipe["label"], recipe["budget"])] = (recipe, record)
         if model is not dense:
             del model
-    fid = pd.concat(fids, ignore_index=True).assign(model=name)
-    on_tasks = [DENSE, HARP, *_best_by_method(fid, rows)] if spec["tasks"] else []
+    return rows, fids, records
+
+
+def _task_items(run: _Run, p: EqualBudgetParams, labels: list[str], records: dict) -> list[dict]:
+    """Per-item task results of the variants `labels` (at the "harp" budget), each rebuilt from its record."""
     items = []
-    for lab in tqdm(on_tasks, desc=f"{name}: tasks"):
+    for lab in tqdm(labels, desc=f"{run.name}: tasks"):
         recipe, record = records[(lab, "" if lab == DENSE else "harp")]
         if record is None:
-            model, _ = _build(dense, recipe, calib)
+            model, _ = _build(run.dense, recipe, run.calib)
         else:  # the record replays the measured model bit for bit, without calibrating again
-            model = copy.deepcopy(dense)
+            model = copy.deepcopy(run.dense)
             record.apply(model)
         found: list = []
-        run_tasks(model, tok, spec["tasks"], limits_for(spec["limit"], name), spec["num_fewshot"], spec["batch_size"],
+        run_tasks(model, run.tok, p.tasks, limits_for(p.limit, run.name), num_fewshot=p.fewshot, batch_size=TASK_BATCH,
                   items=found)
-        items += [dict(model=name, method=lab, **row) for row in found]
-        if model is not dense:
+        items += [dict(model=run.name, method=lab, **row) for row in found]
+        if model is not run.dense:
             del model
+    return items
+
+
+def _model_part(name: str, p: EqualBudgetParams) -> dict:
+    start = time.perf_counter()
+    dense, tok = load_model(name, dtype=p.dtype, device=p.device)
+    L = fingerprint(dense.config)["num_layers"]
+    layers = parse_layers(f"top:{p.n_layers or quarter_depth(L)}", L)
+    calib = ppl_windows(tok, "enwiki", "train", p.n_calib, p.seq_len, p.seed)
+    windows = {c: ppl_windows(tok, c, "test", p.n_eval, p.seq_len, p.seed) for c in CORPORA}
+    run = _Run(name, dense, tok, calib, windows, {c: reference_states(dense, w) for c, w in windows.items()})
+    alphas = search_alphas(dense, calib, layers)
+    budget = budgets(dense, _harp_model(dense, alphas).harp_plan)
+    rows, fids, records = _variant_rows(run, p, alphas, budget)
+    fid = pd.concat(fids, ignore_index=True).assign(model=name)
+    on_tasks = [DENSE, HARP, *_best_by_method(fid, rows)] if p.tasks else []
+    items = _task_items(run, p, on_tasks, records)
     return {"rows": pd.DataFrame(rows).assign(model=name), "fidelity": fid, "items": pd.DataFrame(items),
             "alphas": pd.DataFrame([dict(model=name, layer=i, alpha=a) for i, a in alphas.items()]),
             "budgets": {name: budget}, "info": model_info(dense),
             "seconds": dict(model=name, seconds=time.perf_counter() - start)}
 
 
-def equal_budget_study(models: list[str], variant_specs: list[str], tasks: list[str], limit, num_fewshot,
-                       n_calib: int, seq_len: int, n_eval: int, n_layers: int, latency_len: int, latency_repeats: int,
-                       latency_budgets: list[str], seed: int, dtype: str, device: str, threads: int | None = None,
-                       batch_size: int = 8) -> dict:
+def equal_budget_study(p: EqualBudgetParams) -> dict:
     """Every chosen baseline variant at HARP's two budgets, with HARP, HARP + FLAP and dense, on each model.
 
     Returns:
@@ -198,21 +244,18 @@ def equal_budget_study(models: list[str], variant_specs: list[str], tasks: list[
         weights_zeroed, latency), fidelity (per window), items (task items of dense, HARP and each method's best
         variant), alphas, budgets, infos, seconds.
     """
-    for b in latency_budgets:
+    for b in p.latency_budgets:
         if b not in BUDGETS:
             raise ValueError(f"latency budget '{b}' is not one of {BUDGETS}")
-    spec = dict(variants=variants(variant_specs), tasks=tasks, limit=limit, num_fewshot=num_fewshot, n_calib=n_calib,
-                seq_len=seq_len, n_eval=n_eval, n_layers=n_layers, latency_len=latency_len,
-                latency_repeats=latency_repeats, latency_budgets=latency_budgets, seed=seed, dtype=dtype,
-                device=device, threads=threads, batch_size=batch_size)
-    parts = [_model_part(name, spec) for name in models]
-    items = [p["items"] for p in parts if len(p["items"])]
-    return {"runs": pd.concat([p["rows"] for p in parts], ignore_index=True),
-            "fidelity": pd.concat([p["fidelity"] for p in parts], ignore_index=True),
+    variants(p.variants)  # a bad variant fails before any model loads
+    parts = [_model_part(name, p) for name in p.models]
+    items = [part["items"] for part in parts if len(part["items"])]
+    return {"runs": pd.concat([part["rows"] for part in parts], ignore_index=True),
+            "fidelity": pd.concat([part["fidelity"] for part in parts], ignore_index=True),
             "items": pd.concat(items, ignore_index=True) if items else pd.DataFrame(),
-            "alphas": pd.concat([p["alphas"] for p in parts], ignore_index=True),
-            "budgets": {k: v for p in parts for k, v in p["budgets"].items()},
-            "infos": [p["info"] for p in parts], "seconds": pd.DataFrame([p["seconds"] for p in parts])}
+            "alphas": pd.concat([part["alphas"] for part in parts], ignore_index=True),
+            "budgets": {k: v for part in parts for k, v in part["budgets"].items()},
+            "infos": [part["info"] for part in parts], "seconds": pd.DataFrame([part["seconds"] for part in parts])}
 
 
 # ---------------------------------------------------------------------------------------------- tables

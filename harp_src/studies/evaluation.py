@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pandas as pd
 
 from ..checkpoints import load_model
-from ..data import ppl_windows
-from ..evaluate import CLOZE, DISCRIMINATIVE, GENERATION, fidelity, limits_for, run_tasks, task_scores
-from ..harp import apply_harp, parse_layers, quarter_depth
-from ..longcontext import long_context_eval, multidoc_items, passkey_items
-from ..models import fingerprint, model_info
-from ..search import search_alphas
-from ..stats import aligned, decided, mean_ci, mean_of_means_ci, paired_table
+from ..data.corpora import ppl_windows
+from ..data.longcontext import multidoc_items, passkey_items
+from ..eval.fidelity import fidelity
+from ..eval.longcontext import long_context_eval
+from ..eval.stats import aligned, decided, mean_ci, mean_of_means_ci, paired_table
+from ..eval.tasks import CLOZE, DISCRIMINATIVE, GENERATION, limits_for, run_tasks, task_scores
+from ..method.harp import apply_harp
+from ..method.layers import parse_layers, quarter_depth
+from ..method.search import search_alphas
+from ..model.adapter import fingerprint
+from ..model.loading import model_info
+from ..report.params import StudyParams
 
 DENSE, SEARCHED, ALPHA1, ALPHA0 = "dense", "HARP, searched α", "HARP, α = 1", "attention dropped, α = 0"
 METHODS = (DENSE, SEARCHED, ALPHA1, ALPHA0)
@@ -27,6 +34,31 @@ MAIN = (DENSE, SEARCHED)  # scored on every item of LIMIT; the others on the fir
 LONG_CONTEXT_METHODS = (DENSE, SEARCHED)
 FIDELITY_CORPORA = ("enwiki", "lee")  # held-out test splits: in-domain and out-of-domain text
 AVERAGE = "discriminative avg"
+TASK_BATCH = 8  # lm-eval requests per forward
+
+
+@dataclass(frozen=True)
+class EvaluationParams(StudyParams):
+    """Notebook 08's parameters: the models, tasks and their sizes, the α search, fidelity windows, and the
+    synthetic long-context items (LC_*)."""
+
+    NOTEBOOK: ClassVar[str] = "08_evaluation"
+    TYPES: ClassVar[dict] = {"LIMIT": int | dict, "LIMIT_OTHERS": int | dict, "FEWSHOT": int | dict | None}
+    models: list[str]
+    tasks: list[str]
+    limit: int | dict
+    limit_others: int | dict
+    fewshot: int | dict | None
+    n_calib: int
+    seq_len: int
+    n_layers: int
+    n_fidelity: int
+    lc_lengths: list[int]
+    lc_depths: list[float]
+    lc_per_cell: int
+    seed: int
+    dtype: str
+    device: str
 
 
 def method_alphas(model, tok, n_layers: int, n_calib: int, seq_len: int, seed: int) -> dict[str, dict | None]:
@@ -39,7 +71,7 @@ def method_alphas(model, tok, n_layers: int, n_calib: int, seq_len: int, seed: i
 
 
 def long_context_items(tok, lengths, depths, n_per_cell: int, seed: int) -> list[dict]:
-    """Passkey and multi-document QA items for every length and depth (see longcontext)."""
+    """Passkey and multi-document QA items for every length and depth (see data.longcontext)."""
     return passkey_items(tok, lengths, depths, n_per_cell, seed) + multidoc_items(tok, lengths, depths, n_per_cell,
                                                                                   seed)
 
@@ -52,28 +84,27 @@ def _pruned(dense, alphas: dict[int, float] | None, method: str):
     return model
 
 
-def _model_part(name: str, spec: dict) -> dict:
+def _model_part(name: str, p: EvaluationParams) -> dict:
     """Every method of one model: task results and items, fidelity to dense, long-context answers."""
     start = time.perf_counter()
-    dense, tok = load_model(name, dtype=spec["dtype"], device=spec["device"])
-    variants = method_alphas(dense, tok, spec["n_layers"], spec["n_calib"], spec["seq_len"], spec["seed"])
-    windows = {c: ppl_windows(tok, c, "test", spec["n_fidelity"], spec["seq_len"], spec["seed"])
-               for c in FIDELITY_CORPORA} if spec["n_fidelity"] else {}
-    lc_items = long_context_items(tok, spec["lc_lengths"], spec["lc_depths"], spec["lc_per_cell"],
-                                  spec["seed"]) if spec["lc_lengths"] else []
+    dense, tok = load_model(name, dtype=p.dtype, device=p.device)
+    variants = method_alphas(dense, tok, p.n_layers, p.n_calib, p.seq_len, p.seed)
+    windows = {c: ppl_windows(tok, c, "test", p.n_fidelity, p.seq_len, p.seed)
+               for c in FIDELITY_CORPORA} if p.n_fidelity else {}
+    lc_items = long_context_items(tok, p.lc_lengths, p.lc_depths, p.lc_per_cell, p.seed) if p.lc_lengths else []
     out = {"results": [], "items": [], "fidelity": [], "long_context": [], "info": model_info(dense),
            "alphas": [dict(model=name, layer=i, alpha=a) for i, a in variants[SEARCHED].items()]}
     for method, alphas in variants.items():
         print(f"== {name}: {method}", flush=True)
         model = _pruned(dense, alphas, method)
-        limit = limits_for(spec["limit"] if method in MAIN else spec["limit_others"], name)
+        limit = limits_for(p.limit if method in MAIN else p.limit_others, name)
         items: list = []
-        table = run_tasks(model, tok, spec["tasks"], limit, spec["num_fewshot"], spec["batch_size"], items=items)
+        table = run_tasks(model, tok, p.tasks, limit, num_fewshot=p.fewshot, batch_size=TASK_BATCH, items=items)
         out["results"].append(table.assign(model=name, method=method))
         out["items"] += [dict(model=name, method=method, **row) for row in items]
         if alphas is not None:
             for corpus, w in windows.items():
-                out["fidelity"].append(fidelity(dense, model, w, seed=spec["seed"]).assign(
+                out["fidelity"].append(fidelity(dense, model, w, seed=p.seed).assign(
                     model=name, method=method, corpus=corpus))
         if lc_items and method in LONG_CONTEXT_METHODS:
             out["long_context"].append(long_context_eval(model, tok, lc_items).assign(model=name, method=method))
@@ -88,11 +119,9 @@ def _first(df: pd.DataFrame) -> pd.DataFrame:
     return df[first + [c for c in df.columns if c not in first]]
 
 
-def evaluation_study(models: list[str], tasks: list[str], limit, limit_others, num_fewshot, n_calib: int,
-                     seq_len: int, n_fidelity: int, lc_lengths: list[int], lc_depths: list[float], lc_per_cell: int,
-                     seed: int, dtype: str, device: str, n_layers: int = 0, batch_size: int = 8) -> dict:
-    """Every method of METHODS through run_tasks (MAIN on `limit` items, the others on `limit_others`), fidelity of
-    each pruned method to dense on `n_fidelity` test windows per corpus, the LONG_CONTEXT_METHODS on the synthetic
+def evaluation_study(p: EvaluationParams) -> dict:
+    """Every method of METHODS through run_tasks (MAIN on LIMIT items, the others on LIMIT_OTHERS), fidelity of
+    each pruned method to dense on N_FIDELITY test windows per corpus, the LONG_CONTEXT_METHODS on the synthetic
     long-context items. Limits may be keyed by model name.
 
     Returns:
@@ -101,21 +130,17 @@ def evaluation_study(models: list[str], tasks: list[str], limit, limit_others, n
         fidelity (model, method, corpus, metric, value, ci_low, ci_high, n_tokens, …), long_context (answers),
         alphas, seconds, infos.
     """
-    spec = dict(tasks=tasks, limit=limit, limit_others=limit_others, num_fewshot=num_fewshot, n_calib=n_calib,
-                seq_len=seq_len, n_fidelity=n_fidelity, lc_lengths=lc_lengths, lc_depths=lc_depths,
-                lc_per_cell=lc_per_cell, seed=seed, dtype=dtype, device=device, n_layers=n_layers,
-                batch_size=batch_size)
-    parts = [_model_part(name, spec) for name in models]
-    items = pd.DataFrame([row for p in parts for row in p["items"]])
-    fid = [f for p in parts for f in p["fidelity"]]
-    lc = [f for p in parts for f in p["long_context"]]
-    return {"results": _first(pd.concat([t for p in parts for t in p["results"]], ignore_index=True)),
-            "items": _first(items), "paired": task_differences(items, seed), "scores": task_scores(items, seed),
+    parts = [_model_part(name, p) for name in p.models]
+    items = pd.DataFrame([row for part in parts for row in part["items"]])
+    fid = [f for part in parts for f in part["fidelity"]]
+    lc = [f for part in parts for f in part["long_context"]]
+    no_answers = pd.DataFrame(columns=["model", "method"])
+    return {"results": _first(pd.concat([t for part in parts for t in part["results"]], ignore_index=True)),
+            "items": _first(items), "paired": task_differences(items, p.seed), "scores": task_scores(items, p.seed),
             "fidelity": _first(pd.concat(fid, ignore_index=True)) if fid else pd.DataFrame(),
-            "long_context": _first(pd.concat(lc, ignore_index=True)) if lc else pd.DataFrame(columns=["model",
-                                                                                                     "method"]),
-            "alphas": pd.DataFrame([a for p in parts for a in p["alphas"]]),
-            "seconds": pd.DataFrame([p["seconds"] for p in parts]), "infos": [p["info"] for p in parts]}
+            "long_context": _first(pd.concat(lc, ignore_index=True)) if lc else no_answers,
+            "alphas": pd.DataFrame([a for part in parts for a in part["alphas"]]),
+            "seconds": pd.DataFrame([part["seconds"] for part in parts]), "infos": [part["info"] for part in parts]}
 
 
 # ---------------------------------------------------------------------------------------------- tables

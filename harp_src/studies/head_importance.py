@@ -14,150 +14,100 @@ from __future__ import annotations
 import copy
 import math
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
 import torch
-from scipy import stats as sstats
 from tqdm.auto import tqdm
 
 from ..checkpoints import load_model
-from ..data import ppl_windows
-from ..evaluate import fidelity_windows, reference_states
-from ..finetune import FinetuneSpec, check_steps, lora_finetune
-from ..flops import attention_flops, layer_flops
-from ..harp import apply_harp, kv_cache_bytes
-from ..head_pruning import check_fraction, choose_heads, count_heads, iterative_schedule, without
-from ..heads import (
-    HeadGates,
-    gate_gradients,
-    head_statistics,
-    most_redundant,
-    per_layer_l2,
-    slice_off_heads,
-    taylor_head_scores,
-)
-from ..lrp import lrp_head_scores
-from ..models import get_adapter, model_info, text_config
-from ..prefix import Boundaries, harp_applied
-from ..search import GRID, search_alphas
-from ..stats import decided, mean_ci, paired_difference
-from ..timing import latency_pair
+from ..data.corpora import ppl_windows
+from ..eval.fidelity import fidelity_windows, reference_states
+from ..eval.stats import decided, mean_ci, paired_difference
+from ..heads.choice import check_fraction, choose_heads, count_heads, iterative_schedule, without
+from ..heads.finetune import FinetuneSpec, check_steps, lora_finetune
+from ..heads.gates import HeadGates
+from ..heads.removal import slice_off_heads
+from ..heads.scores import HEAD_METRICS, head_scores, keep_scores, rescore, scores_table
+from ..heads.sensitivity import HARP_ONE, HARP_SEARCHED, layer_sensitivity
+from ..measure.flops import bypass_flops, half_heads_bound, heads_attention_flops
+from ..measure.kv import prompt_kv_bytes
+from ..measure.timing import latency_pair
+from ..method.harp import apply_harp, harp_applied
+from ..method.search import search_alphas
+from ..model.adapter import get_adapter
+from ..model.loading import model_info
+from ..model.weights import n_params
+from ..report.params import StudyParams
 
-HEAD_METRICS = ("taylor", "taylor_raw", "lrp", "entropy", "sink", "random")  # what ranks heads for pruning
-SHOWN_SCORES = ("taylor", "taylor_raw", "lrp", "entropy_norm", "sink", "self")  # the heat maps and their correlations
 ONE_SHOT, UNIFORM, ITERATIVE, ONE_SHOT_FT = "one-shot", "one-shot, uniform per layer", "iterative", "one-shot + FT"
-HARP_SEARCHED, HARP_ONE = "HARP, searched α", "HARP, α = 1"
+
+
+
+
 MIN_WINDOWS = 10  # fewer paired windows than this: an interval is reported but no difference is called
 
 
-# ---------------------------------------------------------------------------------------------- scores
-def keep_score(metric: str, raw: dict[str, torch.Tensor], seed: int = 0) -> torch.Tensor:
-    """Keep scores (higher = keep) of one pruning metric from the raw per-head statistics it needs.
+@dataclass(frozen=True)
+class HeadImportanceParams(StudyParams):
+    """Notebook 07's parameters: windows for scoring (N_CALIB), fine-tuning (N_FT), testing (N_TEST, the first N_SENS
+    for the sensitivity profile); the prune curves' fractions; the iterative loop (TARGET, STEP, metrics, LoRA steps
+    and rate); the sensitivity α grid; and the savings measured on really sliced models."""
 
-    taylor (normalised per layer, as Michel et al.), taylor_raw (not normalised: one scale over all layers), lrp: as
-    measured; entropy: 1 − normalised entropy (near-uniform averaging heads go first); sink: 1 − mass on the first
-    token (degenerate sink heads go first); random: uniform noise (seeded), shaped like any raw statistic.
-    """
-    if metric in ("taylor", "taylor_raw", "lrp"):
-        return raw[metric].double()
-    if metric == "entropy":
-        return 1 - raw["entropy_norm"].double()
-    if metric == "sink":
-        return 1 - raw["sink"].double()
-    shape = next(iter(raw.values())).shape
-    return torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    NOTEBOOK: ClassVar[str] = "07_head_importance"
+    TYPES: ClassVar[dict] = {"FRACTIONS": list[float], "SENSITIVITY_GRID": list[float],
+                             "SAVINGS_FRACTIONS": list[float], "ITERATIVE_METRICS": list[str]}
+    models: list[str]
+    n_calib: int
+    n_ft: int
+    n_test: int
+    n_sens: int
+    seq_len: int
+    fractions: list[float]
+    target: float
+    step: float
+    iterative_metrics: list[str]
+    ft_steps: int
+    ft_lr: float
+    sensitivity_grid: list[float]
+    savings_fractions: list[float]
+    savings_len: int
+    savings_repeats: int
+    seed: int
+    dtype: str
+    device: str
 
-
-def keep_scores(raw: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
-    """`keep_score` of every metric of HEAD_METRICS."""
-    return {m: keep_score(m, raw, seed) for m in HEAD_METRICS}
-
-
-def _grid(heads: pd.DataFrame, column: str, shape) -> torch.Tensor:
-    out = torch.full(shape, float("nan"), dtype=torch.float64)
-    for r in heads.itertuples():
-        out[r.layer, r.head] = getattr(r, column)
-    return out
-
-
-def head_scores(model, calib: torch.Tensor, progress: bool = True) -> tuple[dict[str, torch.Tensor], pd.DataFrame]:
-    """Raw per-head statistics [n_layers, n_heads] (taylor, taylor_raw, lrp, entropy, entropy_norm, sink, self) and
-    the pairs table of `heads.head_statistics` (js, cos per pair of heads in a layer)."""
-    ad = get_adapter(model)
-    heads, pairs = head_statistics(model, calib, progress)
-    grads = gate_gradients(model, calib, progress).abs().mean(0).double()
-    raw = {"taylor": per_layer_l2(grads), "taylor_raw": grads,
-           "lrp": lrp_head_scores(model, calib, progress=progress).double()}
-    raw |= {c: _grid(heads, c, (ad.n_layers, ad.n_heads)) for c in ("entropy", "entropy_norm", "sink", "self")}
-    return raw, pairs
-
-
-def scores_table(raw: dict[str, torch.Tensor], model: str) -> pd.DataFrame:
-    """Long form: model, metric, layer, head, score."""
-    rows = [dict(model=model, metric=m, layer=i, head=h, score=float(t[i, h]))
-            for m, t in raw.items() for i in range(t.shape[0]) for h in range(t.shape[1])]
-    return pd.DataFrame(rows)
+    def check(self) -> None:
+        """Refuse bad values before any model loads."""
+        for f in self.fractions:
+            check_fraction(f)
+        check_fraction(self.target)
+        check_fraction(self.step, "step fraction")
+        for f in self.savings_fractions:
+            check_fraction(f, "savings fraction")
+        bad = [m for m in self.iterative_metrics if m not in HEAD_METRICS]
+        if bad:
+            raise ValueError(f"unknown metric {bad[0]!r} in ITERATIVE_METRICS; choose from {HEAD_METRICS}")
+        if self.iterative_metrics:
+            check_steps(self.ft_steps)
+        if not 1 <= self.n_sens <= self.n_test:
+            raise ValueError(f"N_SENS (the sensitivity profile's test windows) must be in 1..N_TEST={self.n_test}, "
+                             f"got {self.n_sens}")
 
 
-def metric_correlations(scores: pd.DataFrame, metrics: tuple[str, ...] = SHOWN_SCORES) -> pd.DataFrame:
-    """Spearman rank correlation over all heads of each pair of metrics, per model: model, a, b, rho, p."""
-    rows = []
-    for model, part in scores.groupby("model", sort=False):
-        wide = part.pivot_table(index=["layer", "head"], columns="metric", values="score")
-        for k, a in enumerate(metrics):
-            for b in metrics[k + 1:]:
-                res = sstats.spearmanr(wide[a], wide[b])
-                rows.append(dict(model=model, a=a, b=b, rho=float(res.statistic), p=float(res.pvalue)))
-    return pd.DataFrame(rows)
+@dataclass
+class ModelRun:
+    """One model's share of the study: the dense model, its windows (scoring, fine-tuning, test) and the dense final
+    states of the test windows."""
 
-
-def redundancy_by_layer(pairs: pd.DataFrame, scores: pd.DataFrame) -> pd.DataFrame:
-    """Per model and layer: the most similar pair's JS (bits), the highest output cosine, and the largest sink mass
-    of any head; long form with metric, value (for one figure with a panel per metric)."""
-    best = most_redundant(pairs)
-    sink = scores[scores.metric == "sink"].groupby(["model", "layer"]).score.max().rename("max_sink").reset_index()
-    wide = best.merge(sink, on=["model", "layer"])
-    n = wide.groupby("model").layer.transform("max").clip(lower=1)
-    wide["depth"] = wide.layer / n
-    return wide.melt(id_vars=["model", "layer", "depth"], value_vars=["js", "cos", "max_sink"], var_name="metric",
-                     value_name="value")
-
-
-# ---------------------------------------------------------------------------------------------- sensitivity
-def _ppl(nll_count: tuple[float, int]) -> float:
-    return math.exp(nll_count[0] / nll_count[1])
-
-
-def layer_sensitivity(model, calib: torch.Tensor, test: torch.Tensor, grid=GRID, progress: bool = True
-                      ) -> pd.DataFrame:
-    """Test perplexity with one layer changed at a time: all its heads gated off, HARP-bypassed with α = 1, and
-    bypassed with its own α searched (on `calib`) over `grid` with only that layer pruned.
-
-    Returns:
-        layer, depth, intervention, ppl, alpha; plus one row per layer of the dense model ("dense").
-    """
-    ad = get_adapter(model)
-    test_bounds, calib_bounds = Boundaries(model, test), Boundaries(model, calib)
-    dense = _ppl(test_bounds.nll_from(ad.n_layers - 1))
-    rows = []
-    for i in tqdm(range(ad.n_layers), desc="layer sensitivity", disable=not progress):
-        depth = i / max(ad.n_layers - 1, 1)
-        with HeadGates(model) as gates:
-            gates.close_heads({i: list(range(ad.n_heads))})
-            rows.append(dict(layer=i, depth=depth, intervention="all heads off", ppl=_ppl(test_bounds.nll_from(i)),
-                             alpha=float("nan")))
-        calib_ppl = {}
-        for alpha in grid:
-            with harp_applied(model, [i], {i: alpha}):
-                calib_ppl[alpha] = _ppl(calib_bounds.nll_from(i))
-        best = min(grid, key=lambda a: (calib_ppl[a], a))
-        for name, alpha in ((HARP_ONE, 1.0), (HARP_SEARCHED, best)):
-            with harp_applied(model, [i], {i: alpha}):
-                rows.append(dict(layer=i, depth=depth, intervention=name, ppl=_ppl(test_bounds.nll_from(i)),
-                                 alpha=alpha))
-        rows.append(dict(layer=i, depth=depth, intervention="dense", ppl=dense, alpha=float("nan")))
-    return pd.DataFrame(rows)
+    name: str
+    dense: object
+    calib: torch.Tensor
+    ft_windows: torch.Tensor
+    test: torch.Tensor
+    states: list
 
 
 # ---------------------------------------------------------------------------------------------- prune curves
@@ -189,41 +139,28 @@ def one_shot_rows(dense, keep: dict[str, torch.Tensor], fractions: list[float], 
     return out
 
 
-def _rescore(model, metric: str, calib, seed: int) -> torch.Tensor:
-    """Keep scores of `metric` on `model` as it is now (its gates included)."""
-    if metric in ("taylor", "taylor_raw"):
-        return taylor_head_scores(model, calib, normalise=metric == "taylor", progress=False)
-    if metric == "lrp":
-        return lrp_head_scores(model, calib, progress=False).double()
-    ad = get_adapter(model)
-    shape = (ad.n_layers, ad.n_heads)
-    if metric == "random":
-        return keep_score(metric, {"shape": torch.empty(shape)}, seed)
-    heads, _ = head_statistics(model, calib, progress=False)
-    return keep_score(metric, {c: _grid(heads, c, shape) for c in ("entropy_norm", "sink")}, seed)
-
-
-def iterative_rows(dense, metric: str, target: float, step: float, calib, ft_windows, spec: FinetuneSpec, test,
-                   states, seed: int = 0) -> tuple[list[pd.DataFrame], list[dict], dict[int, list[int]]]:
-    """Remove `step` of the remaining heads, fine-tune (LoRA, on a copy), re-score, repeat up to `target`.
+def iterative_rows(run: ModelRun, metric: str, p: HeadImportanceParams, spec: FinetuneSpec
+                   ) -> tuple[list[pd.DataFrame], list[dict], dict[int, list[int]]]:
+    """Remove STEP of the remaining heads, fine-tune (LoRA, on a copy), re-score, repeat up to TARGET.
 
     Returns the per-window measurements after every round, one record per round (heads, fine-tune losses, test
     perplexity), and the final head set.
     """
     check_steps(spec.steps)
+    dense, target, seed = run.dense, p.target, p.seed
     ad = get_adapter(dense)
     total = ad.n_layers * ad.n_heads
     model = copy.deepcopy(dense)
     removed: dict[int, list[int]] = {}
     out, log = [], []
     with HeadGates(model) as gates:
-        for k, count in enumerate(tqdm(iterative_schedule(ad, target, step), desc=f"iterative {metric}")):
-            scores = without(_rescore(model, metric, calib, seed + k), removed)
+        for k, count in enumerate(tqdm(iterative_schedule(ad, target, p.step), desc=f"iterative {metric}")):
+            scores = without(rescore(model, metric, run.calib, seed + k), removed)
             removed = choose_heads(scores, ad, count)
             gates.close_heads(removed)
-            ft = lora_finetune(model, ft_windows, FinetuneSpec(**{**spec.to_dict(), "seed": spec.seed + k}),
+            ft = lora_finetune(model, run.ft_windows, FinetuneSpec(**{**spec.to_dict(), "seed": spec.seed + k}),
                                progress=False)
-            part = _measure(dense, model, test, states, metric=metric, schedule=ITERATIVE, target=target,
+            part = _measure(dense, model, run.test, run.states, metric=metric, schedule=ITERATIVE, target=target,
                             frac_heads_removed=count_heads(removed) / total)
             out.append(part)
             log.append(dict(round=k + 1, heads_removed=count_heads(removed), ft_loss_first=ft["losses"][0],
@@ -232,15 +169,16 @@ def iterative_rows(dense, metric: str, target: float, step: float, calib, ft_win
     return out, log, removed
 
 
-def one_shot_finetuned(dense, heads: dict[int, list[int]], metric: str, target: float, ft_windows,
-                       spec: FinetuneSpec, test, states) -> pd.DataFrame:
+def one_shot_finetuned(run: ModelRun, heads: dict[int, list[int]], metric: str, target: float, spec: FinetuneSpec
+                       ) -> pd.DataFrame:
     """The one-shot head set with the iterative loop's total fine-tuning after it (the fair contrast)."""
+    dense = run.dense
     ad = get_adapter(dense)
     model = copy.deepcopy(dense)
     with HeadGates(model) as gates:
         gates.close_heads(heads)
-        lora_finetune(model, ft_windows, spec, progress=False)
-        return _measure(dense, model, test, states, metric=metric, schedule=ONE_SHOT_FT, target=target,
+        lora_finetune(model, run.ft_windows, spec, progress=False)
+        return _measure(dense, model, run.test, run.states, metric=metric, schedule=ONE_SHOT_FT, target=target,
                         frac_heads_removed=count_heads(heads) / (ad.n_layers * ad.n_heads))
 
 
@@ -323,63 +261,26 @@ def curve_differences(windows: pd.DataFrame, summary: pd.DataFrame, seed: int = 
     return pd.DataFrame(rows)
 
 
-# ---------------------------------------------------------------------------------------------- savings
-def heads_attention_flops(config, kept: dict[int, int], seq_len: int, past: int = 0) -> float:
-    """Attention FLOPs of all layers when layer i keeps kept[i] query heads (KV heads stay unless none is kept)."""
-    kv = text_config(config).num_key_value_heads
-    return sum(attention_flops(config, seq_len, past, h, kv) if h else 0.0 for h in kept.values())
-
-
-def bypass_flops(config, alphas: dict[int, float], seq_len: int, past: int = 0) -> float:
-    """Attention FLOPs of all layers under a HARP plan: dense layers in full, bypassed ones V and O only (an empty
-    plan gives the dense model's attention FLOPs)."""
-    total = 0.0
-    for i in range(text_config(config).num_hidden_layers):
-        if i in alphas:
-            total += layer_flops(config, seq_len, alphas[i]) - layer_flops(config, seq_len, 0.0)
-        else:
-            total += attention_flops(config, seq_len, past)
-    return total
-
-
-def half_heads_bound(config, seq_len: int) -> dict:
-    """The background's "50 % of heads → 2× in attention", computed: dense attention FLOPs over those with half the
-    query heads of every layer (K and V stay, as GQA requires), at prefill of `seq_len` and one decode step there."""
-    cfg = text_config(config)
-    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    out = {}
-    for phase, t, past in (("prefill", seq_len, 0), ("decode", 1, seq_len)):
-        out[f"{phase}_attention_flop_ratio"] = (attention_flops(config, t, past)
-                                                / attention_flops(config, t, past, h / 2, kv))
-    return out
-
-
-@torch.no_grad()
-def _kv_bytes(model, seq_len: int) -> int:
-    ids = torch.randint(3, 1000, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    out = model(input_ids=ids.to(next(model.parameters()).device), use_cache=True)
-    return kv_cache_bytes(out.past_key_values)
-
-
-def savings_row(dense, model, label: str, frac: float, seq_len: int, repeats: int, dense_kv: int,
-                dense_params: int) -> dict:
-    """What one really pruned model saves against dense: parameters, KV bytes at `seq_len`, and prefill / decode
-    latency there, interleaved with dense (`timing.latency_pair`; `repeats` 0 skips the timing)."""
+def savings_row(dense, model, p: HeadImportanceParams, dense_kv: int, dense_params: int) -> dict:
+    """What one really pruned model saves against dense: parameters, KV bytes at SAVINGS_LEN, and prefill / decode
+    latency there, interleaved with dense (`measure.timing.latency_pair`; SAVINGS_REPEATS 0 skips the timing)."""
+    seq_len, repeats = p.savings_len, p.savings_repeats
     lat = latency_pair(dense, model, seq_len, repeats=repeats) if repeats else {}
-    kv = _kv_bytes(model, seq_len)
-    removed = dense_params - sum(p.numel() for p in model.parameters())
-    return dict(config=label, frac_heads_removed=frac, params_removed=removed, kv_bytes=kv, kv_ratio=kv / dense_kv,
-                **lat)
+    kv = prompt_kv_bytes(model, seq_len)
+    removed = dense_params - n_params(model)
+    return dict(params_removed=removed, kv_bytes=kv, kv_ratio=kv / dense_kv, **lat)
 
 
-def savings_table(dense, heads_sets: dict[str, tuple[float, dict[int, list[int]]]], alphas: dict[int, float],
-                  fractions: list[float], test: torch.Tensor, seq_len: int, repeats: int) -> tuple[pd.DataFrame, dict]:
-    """Slice each head set off a copy (checked: same logits as the gated model), build HARP at the same heads, and
-    measure what each saves. Returns the table and the largest |sliced − gated| logit difference."""
+def savings_table(run: ModelRun, heads_sets: dict[str, tuple[float, dict[int, list[int]]]], alphas: dict[int, float],
+                  p: HeadImportanceParams) -> tuple[pd.DataFrame, dict]:
+    """Slice each head set off a copy (checked: same logits as the gated model), build HARP at the same heads (the
+    SAVINGS_FRACTIONS of layers), and measure what each saves. Returns the table and the largest |sliced − gated|
+    logit difference."""
+    dense, test, seq_len = run.dense, run.test, p.savings_len
     ad = get_adapter(dense)
     cfg = dense.config
-    dense_params = sum(p.numel() for p in dense.parameters())
-    dense_kv = _kv_bytes(dense, seq_len)
+    dense_params = n_params(dense)
+    dense_kv = prompt_kv_bytes(dense, seq_len)
     prefill_dense, decode_dense = bypass_flops(cfg, {}, seq_len), bypass_flops(cfg, {}, 1, seq_len)
     rows, worst = [], 0.0
     probe = test[:1]
@@ -393,18 +294,18 @@ def savings_table(dense, heads_sets: dict[str, tuple[float, dict[int, list[int]]
         with torch.no_grad():
             worst = max(worst, float((model(input_ids=probe).logits - gated).abs().max()))
         kept = {i: ad.n_heads - len(heads.get(i, [])) for i in range(ad.n_layers)}
-        row = savings_row(dense, model, label, frac, seq_len, repeats, dense_kv, dense_params)
+        row = dict(config=label, frac_heads_removed=frac) | savings_row(dense, model, p, dense_kv, dense_params)
         row |= dict(attn_prefill_flop_ratio=prefill_dense / heads_attention_flops(cfg, kept, seq_len),
                     attn_decode_flop_ratio=decode_dense / heads_attention_flops(cfg, kept, 1, seq_len))
         rows.append(row)
         del model
-    for frac in fractions:
+    for frac in p.savings_fractions:
         n = max(1, round(frac * ad.n_layers))
         plan = {i: alphas[i] for i in range(ad.n_layers - n, ad.n_layers)}
         model = copy.deepcopy(dense)
         apply_harp(model, sorted(plan), plan)
-        row = savings_row(dense, model, f"{HARP_SEARCHED}, top {frac:.0%} of layers", n / ad.n_layers, seq_len,
-                          repeats, dense_kv, dense_params)
+        row = dict(config=f"{HARP_SEARCHED}, top {frac:.0%} of layers", frac_heads_removed=n / ad.n_layers)
+        row |= savings_row(dense, model, p, dense_kv, dense_params)
         row |= dict(attn_prefill_flop_ratio=prefill_dense / bypass_flops(cfg, plan, seq_len),
                     attn_decode_flop_ratio=decode_dense / bypass_flops(cfg, plan, 1, seq_len))
         rows.append(row)
@@ -413,98 +314,88 @@ def savings_table(dense, heads_sets: dict[str, tuple[float, dict[int, list[int]]
 
 
 # ---------------------------------------------------------------------------------------------- the study
-def _model_part(name: str, spec: dict) -> dict:
+def _iterative_part(run: ModelRun, p: HeadImportanceParams, keep: dict) -> tuple[list, list, dict]:
+    """Iterative prune → fine-tune per metric, and the same final head count one-shot with the same total
+    fine-tuning: (per-window measurements, the rounds' log, {label: (fraction, head set)} of the one-shot sets)."""
+    ad = get_adapter(run.dense)
+    total = ad.n_layers * ad.n_heads
+    spec_ft = FinetuneSpec(steps=p.ft_steps, lr=p.ft_lr, seed=p.seed)
+    windows, rounds, final_sets = [], [], {}
+    for metric in p.iterative_metrics:
+        parts, log, removed = iterative_rows(run, metric, p, spec_ft)
+        windows += parts
+        rounds += [dict(model=run.name, metric=metric, **r) for r in log]
+        one = choose_heads(keep[metric], ad, count_heads(removed))
+        all_steps = FinetuneSpec(**{**spec_ft.to_dict(), "steps": spec_ft.steps * len(log)})
+        windows.append(one_shot_finetuned(run, one, metric, p.target, all_steps))
+        final_sets[f"{metric} one-shot, {count_heads(one) / total:.0%} heads"] = (count_heads(one) / total, one)
+    return windows, rounds, final_sets
+
+
+def _model_part(name: str, p: HeadImportanceParams) -> dict:
     start = time.perf_counter()
-    dense, tok = load_model(name, dtype=spec["dtype"], device=spec["device"])
+    dense, tok = load_model(name, dtype=p.dtype, device=p.device)
     ad = get_adapter(dense)
-    calib = ppl_windows(tok, "enwiki", "train", spec["n_calib"], spec["seq_len"], spec["seed"])
-    ft_windows = ppl_windows(tok, "enwiki", "train", spec["n_calib"] + spec["n_ft"], spec["seq_len"],
-                             spec["seed"])[spec["n_calib"]:]  # disjoint from the scoring windows
-    test = ppl_windows(tok, "enwiki", "test", spec["n_test"], spec["seq_len"], spec["seed"])
-    states = reference_states(dense, test)
+    calib = ppl_windows(tok, "enwiki", "train", p.n_calib, p.seq_len, p.seed)
+    ft_windows = ppl_windows(tok, "enwiki", "train", p.n_calib + p.n_ft, p.seq_len,
+                             p.seed)[p.n_calib:]  # disjoint from the scoring windows
+    test = ppl_windows(tok, "enwiki", "test", p.n_test, p.seq_len, p.seed)
+    run = ModelRun(name, dense, calib, ft_windows, test, reference_states(dense, test))
     seconds = {}
 
     def lap(what):
         seconds[what] = time.perf_counter() - start - sum(seconds.values())
 
     raw, pairs = head_scores(dense, calib)
-    keep = keep_scores(raw, spec["seed"])
+    keep = keep_scores(raw, p.seed)
     lap("scores")
-    sensitivity = layer_sensitivity(dense, calib, test[: spec["n_sens"]], spec["sensitivity_grid"]).assign(model=name)
+    sensitivity = layer_sensitivity(dense, calib, test[: p.n_sens], tuple(p.sensitivity_grid)).assign(model=name)
     lap("sensitivity")
-    windows = one_shot_rows(dense, keep, spec["fractions"], test, states)
-    windows.append(_measure(dense, dense, test, states, metric="dense", schedule="dense", target=0.0,
+    windows = one_shot_rows(dense, keep, p.fractions, test, run.states)
+    windows.append(_measure(dense, dense, test, run.states, metric="dense", schedule="dense", target=0.0,
                             frac_heads_removed=0.0))
     lap("one_shot")
-    spec_ft = FinetuneSpec(steps=spec["ft_steps"], lr=spec["ft_lr"], seed=spec["seed"])
-    rounds = []
-    total = ad.n_layers * ad.n_heads
-    final_sets = {}
-    for metric in spec["iterative_metrics"]:
-        parts, log, removed = iterative_rows(dense, metric, spec["target"], spec["step"], calib, ft_windows, spec_ft,
-                                             test, states, spec["seed"])
-        windows += parts
-        rounds += [dict(model=name, metric=metric, **r) for r in log]
-        one = choose_heads(keep[metric], ad, count_heads(removed))
-        all_steps = FinetuneSpec(**{**spec_ft.to_dict(), "steps": spec_ft.steps * len(log)})
-        windows.append(one_shot_finetuned(dense, one, metric, spec["target"], ft_windows, all_steps, test, states))
-        final_sets[f"{metric} one-shot, {count_heads(one) / total:.0%} heads"] = (count_heads(one) / total, one)
+    parts, rounds, final_sets = _iterative_part(run, p, keep)
+    windows += parts
     lap("iterative")
-    top = max(1, round(max(spec["fractions"]) * ad.n_layers))
+    top = max(1, round(max(p.fractions) * ad.n_layers))
     alphas = search_alphas(dense, calib, list(range(ad.n_layers - top, ad.n_layers)))
-    windows += harp_points(dense, alphas, spec["fractions"], test, states)
+    windows += harp_points(dense, alphas, p.fractions, test, run.states)
     lap("harp")
-    for frac in spec["savings_fractions"]:
+    total = ad.n_layers * ad.n_heads
+    for frac in p.savings_fractions:
         heads = choose_heads(keep["taylor"], ad, round(frac * total))
         final_sets.setdefault(f"taylor one-shot, {count_heads(heads) / total:.0%} heads", (count_heads(heads) / total,
                                                                                            heads))
-    savings, check = savings_table(dense, final_sets, alphas, spec["savings_fractions"], test, spec["savings_len"],
-                                   spec["savings_repeats"])
+    savings, check = savings_table(run, final_sets, alphas, p)
     lap("savings")
     return {"scores": scores_table(raw, name), "pairs": pairs.assign(model=name), "sensitivity": sensitivity,
             "windows": pd.concat(windows, ignore_index=True).assign(model=name),
             "rounds": pd.DataFrame(rounds), "savings": savings.assign(model=name),
-            "bound": dict(model=name, **half_heads_bound(dense.config, spec["savings_len"])),
+            "bound": dict(model=name, **half_heads_bound(dense.config, p.savings_len)),
             "alphas": pd.DataFrame([dict(model=name, layer=i, alpha=a) for i, a in alphas.items()]),
             "check": dict(model=name, **check), "info": model_info(dense),
             "seconds": dict(model=name, seconds=time.perf_counter() - start, **seconds)}
 
 
-def head_importance_study(models: list[str], n_calib: int, n_ft: int, n_test: int, n_sens: int, seq_len: int,
-                          fractions: list[float], target: float, step: float, iterative_metrics: list[str],
-                          ft_steps: int, ft_lr: float, sensitivity_grid: list[float], savings_fractions: list[float],
-                          savings_len: int, savings_repeats: int, seed: int, dtype: str, device: str) -> dict:
+def head_importance_study(p: HeadImportanceParams) -> dict:
     """Everything notebook 07 shows, for each model; tables concatenated over models. The sensitivity profile uses
-    the first `n_sens` test windows (it runs 3 configurations per layer).
+    the first N_SENS test windows (it runs 3 configurations per layer).
 
     Returns:
         dict: scores (model, metric, layer, head, score), pairs, sensitivity, windows (per test window of every
         pruned configuration: metric, schedule, target, frac_heads_removed, kl, nll), rounds (the iterative log),
         savings, bounds, alphas, checks, infos, seconds.
     """
-    fractions = [check_fraction(f) for f in fractions]
-    check_fraction(target)
-    check_fraction(step, "step fraction")
-    for f in savings_fractions:
-        check_fraction(f, "savings fraction")
-    bad = [m for m in iterative_metrics if m not in HEAD_METRICS]
-    if bad:
-        raise ValueError(f"unknown metric {bad[0]!r} in ITERATIVE_METRICS; choose from {HEAD_METRICS}")
-    if iterative_metrics:
-        check_steps(ft_steps)
-    if not 1 <= n_sens <= n_test:
-        raise ValueError(f"N_SENS (the sensitivity profile's test windows) must be in 1..N_TEST={n_test}, got {n_sens}")
-    spec = dict(n_calib=n_calib, n_ft=n_ft, n_test=n_test, n_sens=n_sens, seq_len=seq_len, fractions=fractions,
-                target=target, step=step, iterative_metrics=iterative_metrics, ft_steps=ft_steps, ft_lr=ft_lr,
-                sensitivity_grid=tuple(sensitivity_grid), savings_fractions=savings_fractions,
-                savings_len=savings_len, savings_repeats=savings_repeats, seed=seed, dtype=dtype, device=device)
-    parts = [_model_part(name, spec) for name in models]
+    p.check()
+    parts = [_model_part(name, p) for name in p.models]
 
     def cat(key):
-        return pd.concat([p[key] for p in parts], ignore_index=True)
+        return pd.concat([part[key] for part in parts], ignore_index=True)
     return {**{k: cat(k) for k in ("scores", "pairs", "sensitivity", "windows", "rounds", "savings", "alphas")},
-            "bounds": pd.DataFrame([p["bound"] for p in parts]), "checks": pd.DataFrame([p["check"] for p in parts]),
-            "infos": [p["info"] for p in parts], "seconds": pd.DataFrame([p["seconds"] for p in parts])}
+            "bounds": pd.DataFrame([part["bound"] for part in parts]),
+            "checks": pd.DataFrame([part["check"] for part in parts]),
+            "infos": [part["info"] for part in parts], "seconds": pd.DataFrame([part["seconds"] for part in parts])}
 
 
 # ---------------------------------------------------------------------------------------------- tables for 07

@@ -3,24 +3,47 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pandas as pd
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from ..checkpoints import load_model
-from ..data import ppl_windows
-from ..evaluate import greedy_text
-from ..harp import HarpPlan, apply_harp, n_values, param_report, parse_layers, quarter_depth
-from ..models import fingerprint, model_info, resolve_source
-from ..prefix import Boundaries, nll_of_plan
+from ..data.corpora import ppl_windows
+from ..eval.perplexity import greedy_text
+from ..method.accounting import param_report
+from ..method.harp import HarpPlan, apply_harp
+from ..method.layers import n_values, parse_layers, quarter_depth
+from ..method.prefix import Boundaries, nll_of_plan
+from ..model.adapter import fingerprint
+from ..model.loading import model_info, resolve_source
+from ..report.params import StudyParams
 
 SAVINGS = [("parameters removed, paper convention", "ratio_paper"), ("parameters removed, whole model", "ratio_model"),
            ("KV cache removed", "kv_cache_cut")]
 
 
-def removal_sweep(model, windows, name: str, selections=("top", "bottom"), alphas=(1.0, 0.0),
-                  n_max_frac: float = 0.5, batch_size: int = 4) -> pd.DataFrame:
+@dataclass(frozen=True)
+class HeadRemovalParams(StudyParams):
+    """Notebook 02's parameters: the models, the enwiki-test windows, how deep the N sweep goes, a prompt to show."""
+
+    NOTEBOOK: ClassVar[str] = "02_head_removal"
+    models: list[str]
+    n_windows: int
+    seq_len: int
+    n_max_frac: float
+    prompt: str
+    seed: int
+    dtype: str
+    device: str
+
+
+SELECTIONS, ALPHAS = ("top", "bottom"), (1.0, 0.0)  # which N layers, and the two fixed α's
+
+
+def removal_sweep(model, windows, name: str, n_max_frac: float = 0.5, batch_size: int = 4) -> pd.DataFrame:
     """Test PPL for N pruned layers chosen top-N or bottom-N, for each fixed α; N = 0 is the dense model.
 
     Returns:
@@ -30,8 +53,8 @@ def removal_sweep(model, windows, name: str, selections=("top", "bottom"), alpha
     L = bounds.ad.n_layers
     nll, count = bounds.nll_from(0)
     rows = [dict(model=name, selection=s, n_layers=0, alpha=a, ppl=math.exp(nll / count), params_removed=0,
-                 ratio_paper=0.0, ratio_model=0.0, kv_cache_cut=0.0) for s in selections for a in alphas]
-    todo = [(s, n, a) for s in selections for n in n_values(L, n_max_frac) for a in alphas]
+                 ratio_paper=0.0, ratio_model=0.0, kv_cache_cut=0.0) for s in SELECTIONS for a in ALPHAS]
+    todo = [(s, n, a) for s in SELECTIONS for n in n_values(L, n_max_frac) for a in ALPHAS]
     for sel, n, alpha in tqdm(todo, desc=f"removal sweep {name}"):
         layers = parse_layers(f"{sel}:{n}", L)
         nll, count = nll_of_plan(bounds, layers, alpha)
@@ -41,29 +64,28 @@ def removal_sweep(model, windows, name: str, selections=("top", "bottom"), alpha
     return pd.DataFrame(rows).assign(n_layers_total=L)
 
 
-def removal_study(models: list[str], n_windows: int, seq_len: int, seed: int, dtype: str, device: str,
-                  n_max_frac: float = 0.5) -> tuple[pd.DataFrame, list[dict]]:
+def removal_study(p: HeadRemovalParams) -> tuple[pd.DataFrame, list[dict]]:
     """removal_sweep for each model on its enwiki-test windows; also returns each model's provenance."""
     tables, infos = [], []
-    for name in models:
-        model, tok = load_model(name, dtype=dtype, device=device)
-        windows = ppl_windows(tok, "enwiki", "test", n_windows, seq_len, seed)
-        tables.append(removal_sweep(model, windows, name, n_max_frac=n_max_frac))
+    for name in p.models:
+        model, tok = load_model(name, dtype=p.dtype, device=p.device)
+        windows = ppl_windows(tok, "enwiki", "test", p.n_windows, p.seq_len, p.seed)
+        tables.append(removal_sweep(model, windows, name, n_max_frac=p.n_max_frac))
         infos.append(model_info(model))
     return pd.concat(tables, ignore_index=True), infos
 
 
-def savings_table(models: list[str], n_max_frac: float = 0.5) -> pd.DataFrame:
+def savings_table(p: HeadRemovalParams) -> pd.DataFrame:
     """Parameter and KV-cache savings of top-N HARP (α = 1 and α = 0) from each model's config alone.
 
     Returns:
         DataFrame: model, n_layers, alpha, metric (one of SAVINGS), value (percent).
     """
     rows = []
-    for name in models:
+    for name in p.models:
         config = AutoConfig.from_pretrained(resolve_source(name)[0])
         L = fingerprint(config)["num_layers"]
-        for n in n_values(L, n_max_frac):
+        for n in n_values(L, p.n_max_frac):
             for alpha in (1.0, 0.0):
                 layers = parse_layers(f"top:{n}", L)
                 r = param_report(config, HarpPlan(fingerprint(config), dict.fromkeys(layers, alpha)))
@@ -72,17 +94,18 @@ def savings_table(models: list[str], n_max_frac: float = 0.5) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def side_by_side(models: list[str], prompt: str, dtype: str, device: str, max_new_tokens: int = 30) -> pd.DataFrame:
-    """Greedy text of each dense model and of its top-N (N = depth/4) HARP versions with α = 1 and α = 0."""
+def side_by_side(p: HeadRemovalParams, max_new_tokens: int = 30) -> pd.DataFrame:
+    """Greedy text of each dense model and of its top-N (N = depth/4) HARP versions with α = 1 and α = 0, from the
+    notebook's PROMPT."""
     rows = []
-    for name in models:
+    for name in p.models:
         for alpha in (None, 1.0, 0.0):
-            model, tok = load_model(name, dtype=dtype, device=device)
+            model, tok = load_model(name, dtype=p.dtype, device=p.device)
             n = quarter_depth(fingerprint(model.config)["num_layers"])
             if alpha is not None:
                 apply_harp(model, f"top:{n}", alpha)
             label = "dense" if alpha is None else f"top-{n}, α = {alpha}"
-            rows.append(dict(model=name, variant=label, text=greedy_text(model, tok, prompt, max_new_tokens)))
+            rows.append(dict(model=name, variant=label, text=greedy_text(model, tok, p.prompt, max_new_tokens)))
     return pd.DataFrame(rows)
 
 

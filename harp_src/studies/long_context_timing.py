@@ -2,19 +2,44 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pandas as pd
 
 from ..checkpoints import load_model
-from ..flops import speedup_bound
-from ..harp import HarpPlan, param_report, quarter_depth
-from ..models import fingerprint, model_info
-from ..paper import PAPER_LLAMA31_8B, llama31_8b_config, official_llama31_8b_alphas
-from ..timing import compare, harp_copy
+from ..measure.flops import speedup_bound
+from ..measure.timing import compare, harp_copy
+from ..method.accounting import param_report
+from ..method.harp import HarpPlan
+from ..method.layers import quarter_depth
+from ..model.adapter import fingerprint
+from ..model.loading import model_info
+from ..model.paper import PAPER_LLAMA31_8B, llama31_8b_config, official_llama31_8b_alphas
+from ..report.params import StudyParams
 
 
-def timing_study(models: list[str], seq_lens: list[int], n_layers: int, alpha: float, repeats: int, warmup: int,
-                 decode_steps: int, threads: int, seed: int, dtype: str, device: str,
-                 extra_csv: tuple[str, ...] = ()) -> dict:
+@dataclass(frozen=True)
+class LongContextParams(StudyParams):
+    """Notebook 04's parameters: the models, the prompt lengths, the HARP variant, and how the timing is repeated."""
+
+    NOTEBOOK: ClassVar[str] = "04_long_context_timing"
+    TYPES: ClassVar[dict] = {"EXTRA_CSV": list[str]}
+    models: list[str]
+    seq_lens: list[int]
+    n_layers: int
+    alpha: float
+    repeats: int
+    warmup: int
+    decode_steps: int
+    threads: int
+    extra_csv: list[str]
+    seed: int
+    dtype: str
+    device: str
+
+
+def timing_study(p: LongContextParams) -> dict:
     """Dense vs HARP (top-N, one α for every pruned layer) latency, KV bytes and memory per length and model.
 
     `extra_csv` adds rows measured elsewhere (`python -m harp_src timing --csv`, e.g. on a GPU) to the tables.
@@ -25,15 +50,16 @@ def timing_study(models: list[str], seq_lens: list[int], n_layers: int, alpha: f
         device, seq_len, variant, kv_bytes, peak_mem_bytes), infos.
     """
     parts, infos = [], []
-    for name in models:
-        model, _ = load_model(name, dtype=dtype, device=device)
+    for name in p.models:
+        model, _ = load_model(name, dtype=p.dtype, device=p.device)
         L = fingerprint(model.config)["num_layers"]
-        harp, _ = harp_copy(model, f"top:{n_layers or quarter_depth(L)}", alpha)
-        summary, _ = compare(model, harp, seq_lens, repeats, warmup, decode_steps, threads or None, seed)
+        harp, _ = harp_copy(model, f"top:{p.n_layers or quarter_depth(L)}", p.alpha)
+        summary, _ = compare(model, harp, p.seq_lens, repeats=p.repeats, warmup=p.warmup,
+                             decode_steps=p.decode_steps, threads=p.threads or None, seed=p.seed)
         parts.append(summary.assign(model=name))
         infos.append(model_info(model))
         del model, harp
-    parts += [pd.read_csv(path) for path in extra_csv]
+    parts += [pd.read_csv(path) for path in p.extra_csv]
     summary = pd.concat(parts, ignore_index=True)
     return {"summary": summary, **timing_tables(summary), "infos": infos}
 

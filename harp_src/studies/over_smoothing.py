@@ -2,24 +2,40 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pandas as pd
 
-from ..analysis import layer_metrics
 from ..checkpoints import load_model
-from ..data import ppl_windows
+from ..data.corpora import ppl_windows
+from ..eval.smoothing import layer_metrics
+from ..report.params import StudyParams
 
 
-def analyse_models(models: list[str], n_windows: int, seq_len: int, seed: int, dtype: str = "float32",
-                   device: str = "cpu") -> pd.DataFrame:
+@dataclass(frozen=True)
+class OverSmoothingParams(StudyParams):
+    """Notebook 01's parameters: the models, and the enwiki-test windows every metric is measured on."""
+
+    NOTEBOOK: ClassVar[str] = "01_over_smoothing"
+    models: list[str]
+    n_windows: int
+    seq_len: int
+    seed: int
+    dtype: str
+    device: str
+
+
+def analyse_models(p: OverSmoothingParams) -> pd.DataFrame:
     """layer_metrics for each model on the same enwiki-test windows spec (each model's own tokenizer).
 
     Returns:
-        DataFrame: model, layer, depth, metric, value (see analysis.layer_metrics).
+        DataFrame: model, layer, depth, metric, value (see eval.smoothing.layer_metrics).
     """
     tables = []
-    for name in models:
-        model, tok = load_model(name, dtype=dtype, device=device)
-        windows = ppl_windows(tok, "enwiki", "test", n_windows, seq_len, seed)
+    for name in p.models:
+        model, tok = load_model(name, dtype=p.dtype, device=p.device)
+        windows = ppl_windows(tok, "enwiki", "test", p.n_windows, p.seq_len, p.seed)
         tables.append(layer_metrics(model, windows, name=name))
         del model
     return pd.concat(tables, ignore_index=True)

@@ -1,0 +1,24 @@
+"""Bytes of K/V tensors a transformers cache holds, per layer and in all (pruned layers hold none)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_bytes_per_layer(cache) -> list[int]:
+    """Bytes of K/V tensors each layer of a transformers cache holds (a pruned layer's DummyLayer: 0)."""
+    return [sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                if isinstance(t, torch.Tensor)) for layer in cache.layers]
+
+
+def kv_cache_bytes(cache) -> int:
+    """Bytes of K/V tensors a transformers cache holds (pruned layers hold none)."""
+    return sum(kv_bytes_per_layer(cache))
+
+
+@torch.no_grad()
+def prompt_kv_bytes(model, seq_len: int) -> int:
+    """Bytes of the KV cache `model` keeps after one prefill of a (seeded, random) `seq_len`-token prompt."""
+    ids = torch.randint(3, 1000, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids.to(next(model.parameters()).device), use_cache=True)
+    return kv_cache_bytes(out.past_key_values)

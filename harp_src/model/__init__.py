@@ -1,0 +1,2 @@
+"""The model: loading (packaged GGUF, local folders, Hub ids), the one per-family adapter, the pruned modules and
+checkpoint classes, next-token NLL, counting and freezing parameters."""

@@ -1,0 +1,30 @@
+"""Counting and freezing a model's parameters: one implementation each."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+
+def n_params(module: nn.Module, trainable: bool = False, linear: bool = False) -> int:
+    """Parameters of `module` (each tensor once): all, only those that require grad, or only nn.Linear ones."""
+    if linear:
+        return sum(p.numel() for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters())
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
+
+
+@contextmanager
+def only_trainable(model: nn.Module, params: Iterable[nn.Parameter] = ()) -> Iterator[None]:
+    """Freeze every parameter of `model` except `params` while inside; each parameter's flag comes back after."""
+    flags = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)

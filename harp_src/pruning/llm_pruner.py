@@ -1,0 +1,62 @@
+"""LLM-Pruner (block-wise): first-order Taylor Σ |w·∂L/∂w| over a unit's weights, a uniform ratio over its layer
+range."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..model.adapter import Adapter, get_adapter
+from ..model.nll import next_token_nll
+from ..model.weights import only_trainable
+from .budgets import scoped_layers, uniform_counts
+from .methods import Entries, PruneRequest
+from .record import linears
+from .selection import per_unit, uniform_entry
+from .slicing import units
+
+
+def _taylor(lin: nn.Linear, dim: int) -> torch.Tensor:
+    """Σ |w·∂L/∂w| over dimension `dim` of the weight (rows: dim=1, columns: dim=0), bias included for rows."""
+    out = (lin.weight.detach() * lin.weight.grad).double().abs().sum(dim)
+    if dim == 1 and lin.bias is not None:
+        out = out + (lin.bias.detach() * lin.bias.grad).double().abs()
+    return out
+
+
+def taylor_scores(ad: Adapter, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per attention unit, per MLP channel) Σ |w·g| over the unit's weights, from gradients already accumulated."""
+    u, attn, mlp = units(ad, i), ad.attention(i), ad.mlp(i)
+    heads = per_unit(_taylor(attn.q_proj, 1) + _taylor(attn.o_proj, 0), u)
+    if u.grouped:
+        kv = _taylor(attn.k_proj, 1) + _taylor(attn.v_proj, 1)
+        heads = heads + kv.view(u.n_heads, ad.head_dim).sum(1)
+    channels = _taylor(mlp.gate_proj, 1) + _taylor(mlp.up_proj, 1) + _taylor(mlp.down_proj, 0)
+    return heads, channels
+
+
+def _accumulate_gradients(model: nn.Module, windows: torch.Tensor, layers: list[int], batch_size: int,
+                          progress: bool) -> list[nn.Parameter]:
+    """∂(summed next-token NLL)/∂w for the linears of `layers` (other parameters frozen meanwhile)."""
+    ad, device = get_adapter(model), next(model.parameters()).device
+    params = [p for i in layers for lin in linears(ad, i).values() for p in lin.parameters()]
+    for p in params:
+        p.grad = None
+    with only_trainable(model, params):
+        for start in tqdm(range(0, len(windows), batch_size), desc="llm-pruner gradients", disable=not progress,
+                          leave=False):
+            ids = windows[start:start + batch_size].to(device)
+            next_token_nll(model(input_ids=ids, use_cache=False).logits, ids, "sum").backward()
+    return params
+
+
+def llm_pruner(model: nn.Module, request: PruneRequest) -> Entries:
+    """LLM-Pruner: Taylor scores from the gradient of the calibration NLL, a uniform ratio over its layer range."""
+    ad = get_adapter(model)
+    u, layers = units(ad), scoped_layers(request.method, ad.n_layers)
+    n_heads, n_channels = uniform_counts(u, layers, request.budget, request.heads)
+    _accumulate_gradients(model, request.windows, layers, request.batch_size, request.progress)
+    entries = {i: uniform_entry(u, taylor_scores(ad, i), n_heads, n_channels[i], request.heads) for i in layers}
+    model.zero_grad(set_to_none=True)
+    return entries, False

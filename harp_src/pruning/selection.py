@@ -1,0 +1,60 @@
+"""Choosing units from scores: the k lowest, a layer's standardised scores, FLAP's global take under a budget, the
+uniform ratio's entry."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .slicing import Units
+
+
+# ---------------------------------------------------------------------------------------------- unit scores
+def per_unit(columns: torch.Tensor, u: Units) -> torch.Tensor:
+    """Column scores of an o_proj input [n_heads·width] summed per attention unit."""
+    return columns.view(u.n_heads, u.head_width).sum(1)
+
+
+# ---------------------------------------------------------------------------------------------- selection
+def lowest(scores: torch.Tensor, k: int) -> list[int]:
+    """Indices of the k lowest scores (ties: the lower index first)."""
+    order = torch.sort(scores, stable=True).indices
+    return sorted(order[:k].tolist())
+
+
+def kept(n: int, removed: Iterable[int]) -> list[int]:
+    gone = set(removed)
+    return [j for j in range(n) if j not in gone]
+
+
+def standardise(scores: torch.Tensor) -> torch.Tensor:
+    """(s − mean) / std over one layer's units of one module (0 where all are equal)."""
+    std = scores.std(unbiased=False)
+    return torch.zeros_like(scores) if std == 0 else (scores - scores.mean()) / std
+
+
+def global_take(candidates: list[tuple[float, int, str, int]], costs: dict[str, int], budget: int) -> list:
+    """FLAP's global selection: walk the units from the lowest score up, taking each that still fits the budget.
+
+    Args:
+        candidates: (score, layer, kind, unit) with kind "heads" or "channels".
+        costs: parameters one unit of each kind frees.
+    Returns:
+        The taken candidates; their cost is within one channel of `budget`.
+    """
+    taken, spent = [], 0
+    for c in sorted(candidates):
+        cost = costs[c[2]]
+        if spent + cost <= budget:
+            taken.append(c)
+            spent += cost
+    return taken
+
+
+def uniform_entry(u: Units, scores: tuple[torch.Tensor, torch.Tensor], n_heads: int, n_channels: int,
+                   heads: bool) -> dict:
+    entry = {"channels": kept(u.n_channels, lowest(scores[1], n_channels))}
+    if heads:
+        entry["heads"] = kept(u.n_heads, lowest(scores[0], n_heads))
+    return entry
