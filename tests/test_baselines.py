@@ -10,7 +10,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from harp_src import apply_harp
-from harp_src.measure.timing import latency_pair
+from harp_src.measure.timing import REFERENCE, latency_group, latency_pair
 from harp_src.model.adapter import fingerprint, get_adapter
 from harp_src.model.modeling_harp import Constant
 from harp_src.pruning import methods
@@ -19,8 +19,9 @@ from harp_src.pruning.flap import compensation
 from harp_src.pruning.methods import METHODS, SCOPES
 from harp_src.pruning.prune import prune
 from harp_src.pruning.record import PruneRecord
+from harp_src.pruning.selection import global_entries
 from harp_src.pruning.slicing import keep_channels, units
-from harp_src.studies.equal_budget import HARP, pruned_key, variants, versus_harp
+from harp_src.studies.frontier import HARP, shape_key, variants, versus_harp
 
 FAMILIES = ["llama", "qwen2", "gemma3"]  # GQA (2 KV heads of 4), GQA with q/k/v biases, MQA
 CASES = [(m, s) for m in METHODS for s in SCOPES[m]]
@@ -114,23 +115,47 @@ def test_scores_come_from_calibration_only(ids):
     assert first.meta["calib_sha256"] != other.meta["calib_sha256"]
 
 
-def test_mag_sp_removes_the_hand_computed_head():
-    model = make_tiny("llama")  # 4 query heads in 2 KV groups: a unit is a group of 2 heads, 32 o_proj columns
+def test_mag_sp_removes_the_hand_computed_channels():
+    model = make_tiny("llama")
     ad = get_adapter(model)
     u = units(ad)
     with torch.no_grad():
         for i in range(ad.n_layers):
-            o = ad.attention(i).o_proj.weight
-            o.fill_(1.0)
-            o[:, u.head_width:] = 0.1  # unit 1 feeds the smallest columns
             down = ad.mlp(i).down_proj.weight
             down.copy_(torch.arange(1, down.shape[1] + 1, dtype=down.dtype).expand_as(down))  # channel 0 smallest
-    # the budget of one unit and one channel per layer: the ratio rounds to exactly that here
-    budget = ad.n_layers * (u.head_params * 1 + u.channel_params * 64)
-    record = prune(model, "mag-sp", budget, scope="heads+mlp", progress=False)
+    budget = ad.n_layers * u.channel_params * 64  # half the channels of every layer, at one ratio
+    record = prune(model, "mag-sp", budget, progress=False)
+    assert record.scope == "mlp"
     for e in record.layers.values():
-        assert e["heads"] == [0]
-        assert e["channels"] == list(range(64, 128))
+        assert "heads" not in e and e["channels"] == list(range(64, 128))
+
+
+def test_global_ranking_takes_the_hand_computed_heads_and_channels():
+    """Heads and channels compete in one ranking: standardised per layer and module, the lowest taken first."""
+    ad = get_adapter(make_tiny("llama"))
+    u = units(ad)
+    channels = torch.cat([torch.zeros(20), torch.full((u.n_channels - 20,), 10.0)]).double()
+    scores = {i: (torch.tensor([1.0, 2.0]), channels) for i in range(4)}
+    scores[3] = (torch.tensor([2.0, 1.0]), channels)  # layer 3's weaker unit is unit 1
+    # z-scores: the 20 low channels of each layer -2.3, then each layer's weaker head unit -1, the rest above 0
+    budget = 4 * u.head_params + 4 * 20 * u.channel_params
+    entries, taken = global_entries(u, scores, budget)
+    assert [entries[i]["heads"] for i in range(4)] == [[1], [1], [1], [0]]
+    assert all(entries[i]["channels"][0] == 20 for i in range(4))
+    assert sum({"heads": u.head_params, "channels": u.channel_params}[c[2]] for c in taken) == budget
+
+
+@pytest.mark.parametrize("method", ["flap", "llm-pruner"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_two_scopes_never_give_the_same_model(method, family):
+    """heads+mlp really removes heads (one global ranking), so it is never the mlp scope's model under another
+    name, at small and large budgets alike."""
+    for budget in (20_000, 60_000):
+        records = {scope: prune(make_tiny(family), method, budget, calib(), scope, progress=False)
+                   for scope in SCOPES[method]}
+        n_heads = units(get_adapter(make_tiny(family))).n_heads
+        assert any(len(e["heads"]) < n_heads for e in records["heads+mlp"].layers.values()), (method, budget)
+        assert records["heads+mlp"].layers != records["mlp"].layers
 
 
 def test_compensation_keeps_output_for_a_constant_channel():
@@ -211,7 +236,7 @@ def test_record_refuses_another_model_and_a_pruned_one():
     harp = make_tiny("llama")
     apply_harp(harp, "top:1")
     with pytest.raises(ValueError, match="already pruned"):
-        prune(harp, "mag-sp", 20_000, progress=False)
+        prune(harp, "flap", 20_000, calib(), "heads+mlp", progress=False)
     assert record.fingerprint == fingerprint(make_tiny("llama").config)
 
 
@@ -227,10 +252,31 @@ def test_latency_pair_times_both_models_interleaved():
     assert row["decode_speedup"] == pytest.approx(row["decode_reference_ms"] / row["decode_ms"])
 
 
+def test_latency_group_times_every_model_against_one_reference():
+    dense = make_tiny("llama")
+    dropped, harp = make_tiny("llama"), make_tiny("llama")
+    prune(dropped, "attn-drop-top", 1, progress=False)
+    apply_harp(harp, "top:1")
+    rows = latency_group(dense, {"drop": dropped, "harp": harp}, 16, repeats=1, warmup=1, decode_steps=2, threads=1)
+    assert set(rows) == {REFERENCE, "drop", "harp"}
+    n_layers = dense.config.num_hidden_layers
+    for row in rows.values():
+        assert row["prefill_reference_s"] == rows[REFERENCE]["prefill_s"]  # one reference timing for the group
+        assert row["decode_tokens_per_s"] == pytest.approx(1e3 / row["decode_ms"])
+    # decoding continued from the timed prefill's cache: the prompt's K/V, minus the layers that keep none
+    per_layer = rows[REFERENCE]["kv_bytes"] / n_layers
+    assert rows["harp"]["kv_bytes"] == pytest.approx(per_layer * (n_layers - 1))
+    assert rows["drop"]["kv_bytes"] == pytest.approx(per_layer * (n_layers - 1))
+    with pytest.raises(ValueError, match="reference"):
+        latency_group(dense, {REFERENCE: harp}, 16)
+
+
 def test_variant_specs():
     assert variants(["flap"]) == [("flap", "heads+mlp"), ("flap", "mlp")]
-    assert variants(["flap:mlp", "shortgpt"]) == [("flap", "mlp"), ("shortgpt", "blocks")]
-    assert len(variants(["all"])) == sum(len(s) for s in SCOPES.values())
+    assert variants(["flap:mlp", "shortgpt", "harp-bi"]) == [("flap", "mlp"), ("shortgpt", "blocks"),
+                                                             ("harp-bi", "attention")]
+    assert len(variants(["all"])) == sum(len(s) for s in SCOPES.values()) + 1  # every baseline scope and harp-bi
+    assert ("mag-sp", "heads+mlp") not in variants(["all"])  # its uniform ratio has no head allocation
     with pytest.raises(ValueError, match="unknown method 'flapp'"):
         variants(["flapp"])
     with pytest.raises(ValueError, match="no scope 'heads'"):
@@ -242,29 +288,26 @@ def test_versus_harp_pairs_windows():
     rng = torch.Generator().manual_seed(0)
     base = torch.rand(40, generator=rng).double().numpy()
     rows = []
-    for lab, shift in ((HARP, 0.0), ("flap [mlp]", 0.1)):
-        for corpus in ("enwiki", "lee"):
-            rows.append(pd.DataFrame({"window": range(40), "kl": base + shift, "top1_agreement": 0.5,
-                                      "delta_nll": base, "nll_reference": 3.0, "nll": 3.0 + base, "n_tokens": 127,
-                                      "corpus": corpus, "label": lab, "budget": "harp", "model": "m"}))
-    vs = versus_harp({"fidelity": pd.concat(rows, ignore_index=True), "items": pd.DataFrame()})
-    kl = vs[(vs.metric == "kl enwiki") & (vs.method == "flap [mlp]")].iloc[0]
+    for method, scope, shift in ((HARP, "attention", 0.0), ("flap", "mlp", 0.1)):
+        rows.append(pd.DataFrame({"window": range(40), "kl": base + shift, "top1_agreement": 0.5, "delta_nll": base,
+                                  "nll_reference": 3.0, "nll": 3.0 + base, "n_tokens": 127, "method": method,
+                                  "scope": scope, "level": "N=4", "model": "m"}))
+    vs = versus_harp({"fidelity": pd.concat(rows, ignore_index=True), "items": pd.DataFrame(columns=["method"])})
+    kl = vs[(vs.metric == "kl") & (vs.method == "flap [mlp]")].iloc[0]
     assert kl["diff"] == pytest.approx(0.1) and kl.ci_low == pytest.approx(0.1) and kl.decided
-    nll = vs[(vs.metric == "nll lee")].iloc[0]
+    nll = vs[(vs.metric == "delta_nll")].iloc[0]
     assert nll["diff"] == pytest.approx(0.0, abs=1e-12) and not nll.decided
 
 
-def test_pruned_key_names_the_same_model_once():
-    """A heads+mlp variant that takes no head is the mlp variant (measured once); another budget or edit is not."""
-    records = {(scope, budget): prune(make_tiny("llama"), "mag-sp", budget, scope=scope)
-               for scope, budget in (("heads+mlp", 2_000), ("mlp", 2_000), ("mlp", 4_000))}
-    assert [e["heads"] for e in records["heads+mlp", 2_000].layers.values()] == [[0, 1]] * 4  # no head taken
-    u = units(get_adapter(make_tiny("llama")))
+def test_shape_key_names_one_structure_once():
+    """Speed depends on shapes alone: the same structure gives one key (timed once); another budget, another scope
+    or unstructured zeros give another."""
+    def pruned(method, budget, scope=None):
+        model = make_tiny("llama")
+        record = prune(model, method, budget, calib(), scope, progress=False)
+        return shape_key(model, record)
 
-    def key(scope, budget, label="harp"):
-        return pruned_key(dict(kind="baseline", method="mag-sp", budget=label), records[scope, budget], u)
-
-    assert key("heads+mlp", 2_000) == key("mlp", 2_000)
-    assert key("mlp", 2_000) != key("mlp", 4_000)
-    assert key("mlp", 2_000) != key("mlp", 2_000, "release")
-    assert pruned_key(dict(kind="harp", method="harp", budget="harp"), None, u) is None
+    assert pruned("flap", 20_000, "mlp") == pruned("flap", 20_000, "mlp")
+    assert pruned("flap", 20_000, "mlp") != pruned("flap", 40_000, "mlp")
+    assert pruned("flap", 20_000, "mlp") != pruned("flap", 20_000, "heads+mlp")
+    assert pruned("wanda", 20_000) != shape_key(make_tiny("llama"), None)  # zeros run on dense kernels, but are timed

@@ -367,32 +367,73 @@ def flop_bounds(config, alphas: dict[int, float], seq_lens: Iterable[int], fold:
                          for t in seq_lens])
 
 
-def latency_pair(reference, model, seq_len: int, *, repeats: int = 3, warmup: int = 1, decode_steps: int = 8,
-                 threads: int | None = None, seed: int = 0) -> dict:
-    """Prefill and per-token decode latency of `model` and `reference` (its dense model) at one prompt length,
-    interleaved (`interleaved`: warm-up first, the order flipping every repeat, fixed threads, medians).
+REFERENCE = "reference"
+
+
+def latency_group(reference, models: dict, seq_len: int, *, repeats: int = 3, warmup: int = 1,
+                  decode_steps: int = 8, threads: int | None = None, seed: int = 0) -> dict[str, dict]:
+    """Prefill and per-token decode latency of several models and of `reference` (their dense model) at one prompt
+    length, all interleaved in one round-robin (`interleaved`: warm-up first, the order reversing every repeat, fixed
+    threads, medians), so the reference is timed once per round for all of them.
 
     Works for any pruned model (baselines as well as HARP). Decoding runs `decode_steps` greedy steps per repeat on
-    top of a cache from one untimed prefill. Returns medians in seconds and their ratios (reference / model).
+    top of the cache of its last timed prefill (0: no decoding timed; with decoding, the KV bytes that cache holds
+    are reported too). `warmup` untimed prefills per model come first (0 when the models were just warmed, e.g. at a
+    shorter length); decoding always warms up at least once. Returns {name: medians in seconds and their ratios
+    (reference / model)}; the reference's own figures under REFERENCE.
     """
+    if REFERENCE in models:
+        raise ValueError(f"no model may be named {REFERENCE!r}: that name is the reference's")
     ids = random_prompt(text_config(reference.config).vocab_size, seq_len, seed, _device(reference))
-    models = {"reference": reference, "model": model}
-    prefills, n_threads = interleaved({n: (lambda m=m: prefill(m, ids)) for n, m in models.items()}, repeats,
-                                      warmup, threads)
-    state = {}
-    for name, m in models.items():
-        _, out = prefill(m, ids)
-        state[name] = [out.cache, out.logits[:, -1:].argmax(-1)]
+    every = {REFERENCE: reference, **models}
+    last: dict = {}  # each model's latest prefill output: decoding continues from its cache (no extra prefill)
+
+    def run(name: str) -> None:
+        last[name] = None  # free the previous cache before the next prefill
+        out = prefill(every[name], ids)[1]
+        last[name] = out if decode_steps else None
+
+    prefills, n_threads = interleaved({n: (lambda n=n: run(n)) for n in every}, repeats, warmup, threads)
+    p = {n: statistics.median(v) for n, v in prefills.items()}
+    # decode warm-up is cheap next to a long prefill: always at least one, even when the prefill had none
+    d, kv = _decode_medians(every, last, decode_steps, repeats=repeats, warmup=max(warmup, 1), threads=threads)
+    out = {}
+    for name in every:
+        out[name] = {"seq_len": seq_len, "threads": n_threads, "prefill_reference_s": p[REFERENCE],
+                     "prefill_s": p[name], "prefill_speedup": p[REFERENCE] / p[name]}
+        if d:
+            out[name] |= {"decode_reference_ms": 1e3 * d[REFERENCE], "decode_ms": 1e3 * d[name],
+                          "decode_speedup": d[REFERENCE] / d[name], "decode_tokens_per_s": 1 / d[name],
+                          "kv_bytes": kv[name]}
+    return out
+
+
+def _decode_medians(models: dict, prefilled: dict, steps: int, *, repeats: int, warmup: int,
+                    threads: int | None) -> tuple[dict[str, float], dict[str, int]]:
+    """(median seconds per greedy decode step, KV bytes of the prompt's cache) of each model, decoding on top of its
+    own prefill output (`prefilled`: name -> model output with its cache), interleaved."""
+    if not steps:
+        return {}, {}
+    state = {name: [out.cache, out.logits[:, -1:].argmax(-1)] for name, out in prefilled.items()}
+    prefilled.clear()
+    kv = {name: kv_cache_bytes(s[0]) for name, s in state.items()}
 
     def decode(name: str) -> None:
-        for _ in range(decode_steps):
+        for _ in range(steps):
             _, state[name][1] = decode_step(models[name], state[name][1], state[name][0])
 
     decodes, _ = interleaved({n: (lambda n=n: decode(n)) for n in models}, repeats, warmup, threads)
     state.clear()
     _trim_heap()
-    p = {n: statistics.median(v) for n, v in prefills.items()}
-    d = {n: statistics.median(v) / decode_steps for n, v in decodes.items()}
-    return {"seq_len": seq_len, "threads": n_threads, "prefill_reference_s": p["reference"], "prefill_s": p["model"],
-            "prefill_speedup": p["reference"] / p["model"], "decode_reference_ms": 1e3 * d["reference"],
-            "decode_ms": 1e3 * d["model"], "decode_speedup": d["reference"] / d["model"]}
+    return {n: statistics.median(v) / steps for n, v in decodes.items()}, kv
+
+
+def latency_pair(reference, model, seq_len: int, *, repeats: int = 3, warmup: int = 1, decode_steps: int = 8,
+                 threads: int | None = None, seed: int = 0) -> dict:
+    """Prefill and per-token decode latency of `model` and `reference` (its dense model) at one prompt length,
+    interleaved (`latency_group` with one model). Returns medians in seconds and their ratios (reference / model)."""
+    row = latency_group(reference, {"model": model}, seq_len, repeats=repeats, warmup=warmup,
+                        decode_steps=decode_steps, threads=threads, seed=seed)["model"]
+    for key in ("decode_tokens_per_s", "kv_bytes"):
+        row.pop(key, None)
+    return row

@@ -1,5 +1,5 @@
-"""LLM-Pruner (block-wise): first-order Taylor Σ |w·∂L/∂w| over a unit's weights, a uniform ratio over its layer
-range."""
+"""LLM-Pruner: first-order Taylor Σ |w·∂L/∂w| over a unit's weights, over its layer range; MLP channels at a uniform
+ratio (block-wise, scope "mlp"), or heads and channels ranked together (its global mode, scope "heads+mlp")."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..model.weights import only_trainable
 from .budgets import scoped_layers, uniform_counts
 from .methods import Entries, PruneRequest
 from .record import linears
-from .selection import per_unit, uniform_entry
+from .selection import global_entries, per_unit, uniform_entry
 from .slicing import units
 
 
@@ -52,11 +52,14 @@ def _accumulate_gradients(model: nn.Module, windows: torch.Tensor, layers: list[
 
 
 def llm_pruner(model: nn.Module, request: PruneRequest) -> Entries:
-    """LLM-Pruner: Taylor scores from the gradient of the calibration NLL, a uniform ratio over its layer range."""
+    """LLM-Pruner: Taylor scores from the gradient of the calibration NLL over its layer range; MLP channels at a
+    uniform ratio, or (heads+mlp) heads and channels by one global ranking of standardised scores."""
     ad = get_adapter(model)
     u, layers = units(ad), scoped_layers(request.method, ad.n_layers)
-    n_heads, n_channels = uniform_counts(u, layers, request.budget, request.heads)
     _accumulate_gradients(model, request.windows, layers, request.batch_size, request.progress)
-    entries = {i: uniform_entry(u, taylor_scores(ad, i), n_heads, n_channels[i], request.heads) for i in layers}
+    scores = {i: taylor_scores(ad, i) for i in layers}
     model.zero_grad(set_to_none=True)
-    return entries, False
+    if request.heads:
+        return global_entries(u, scores, request.budget)[0], False
+    _, n_channels = uniform_counts(u, layers, request.budget, False)
+    return {i: uniform_entry(u, scores[i], 0, n_channels[i], False) for i in layers}, False

@@ -24,5 +24,5 @@ def mag_sp(model: nn.Module, request: PruneRequest) -> Entries:
     """Mag-sp: in every layer, the units whose output columns have the smallest norm (no data)."""
     ad = get_adapter(model)
     u, layers = units(ad), scoped_layers(request.method, ad.n_layers)
-    n_heads, n_channels = uniform_counts(u, layers, request.budget, request.heads)
+    n_heads, n_channels = uniform_counts(u, layers, request.budget, request.heads)  # heads: 0 (scope "mlp")
     return {i: uniform_entry(u, magnitude_scores(ad, i), n_heads, n_channels[i], request.heads) for i in layers}, False

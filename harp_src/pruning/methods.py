@@ -7,8 +7,13 @@ from dataclasses import dataclass
 import torch
 
 FINE = ("mag-sp", "wanda-sp", "flap", "llm-pruner")
+# "heads+mlp" only where heads and channels compete in one global ranking (FLAP's rule, LLM-Pruner's global mode):
+# the uniform-ratio methods round their head share to zero at these budgets, so their heads+mlp was their mlp (27).
 SCOPES: dict[str, tuple[str, ...]] = {
-    **{m: ("heads+mlp", "mlp") for m in FINE},
+    "mag-sp": ("mlp",),
+    "wanda-sp": ("mlp",),
+    "flap": ("heads+mlp", "mlp"),
+    "llm-pruner": ("heads+mlp", "mlp"),
     "shortgpt": ("blocks",),
     "attn-drop-top": ("attention",),
     "attn-drop-sim": ("attention",),

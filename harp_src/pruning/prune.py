@@ -42,7 +42,7 @@ def _check_call(model, method: str, scope: str | None, budget_params, calib_wind
     if scope not in SCOPES[method]:
         raise ValueError(f"method '{method}' has no scope '{scope}'; valid: {', '.join(SCOPES[method])}")
     if isinstance(budget_params, bool) or not isinstance(budget_params, (int, np.integer)) or budget_params <= 0:
-        raise ValueError(f"budget_params must be a positive number of parameters, got {budget_params!r}")
+        raise ValueError(f"{method}: budget_params must be a positive number of parameters, got {budget_params!r}")
     ad = get_adapter(model)
     needs = {"heads+mlp": (True, True), "mlp": (False, True), "blocks": (True, True), "attention": (True, False),
              "linear": (True, True)}[scope]

@@ -52,6 +52,29 @@ def global_take(candidates: list[tuple[float, int, str, int]], costs: dict[str, 
     return taken
 
 
+def global_entries(u: Units, scores: dict[int, tuple[torch.Tensor, torch.Tensor]], budget: int,
+                   costs: dict[str, int] | None = None) -> tuple[dict[int, dict], list]:
+    """Heads and channels of every layer in `scores` ranked together: each layer's scores standardised per module
+    (`standardise`), then the lowest taken while they fit `budget` (`global_take`).
+
+    Args:
+        scores: {layer: (per attention unit, per MLP channel)}, higher = more useful.
+        costs: parameters one unit of each kind frees (default: the dense units').
+    Returns:
+        ({layer: {"heads": kept, "channels": kept}}, the taken candidates (score, layer, kind, unit)).
+    """
+    costs = costs or {"heads": u.head_params, "channels": u.channel_params}
+    candidates = []
+    for i, (head_s, chan_s) in scores.items():
+        candidates += [(float(s), i, "heads", j) for j, s in enumerate(standardise(head_s))]
+        candidates += [(float(s), i, "channels", j) for j, s in enumerate(standardise(chan_s))]
+    taken = global_take(candidates, costs, budget)
+    entries = {i: {"heads": kept(u.n_heads, [c[3] for c in taken if c[1] == i and c[2] == "heads"]),
+                   "channels": kept(u.n_channels, [c[3] for c in taken if c[1] == i and c[2] == "channels"])}
+               for i in scores}
+    return entries, taken
+
+
 def uniform_entry(u: Units, scores: tuple[torch.Tensor, torch.Tensor], n_heads: int, n_channels: int,
                    heads: bool) -> dict:
     entry = {"channels": kept(u.n_channels, lowest(scores[1], n_channels))}

@@ -367,3 +367,40 @@ def quality_by_sample(df: pd.DataFrame, title: str, y: str, low: str, high: str,
     fig.suptitle(title, y=1.02)
     fig.tight_layout()
     return fig
+
+
+def frontier_lines(df: pd.DataFrame, x: str, title: str, xlabel: str, *, ylabels: dict, logy: tuple = (),
+                   emphasise: str = "harp"):
+    """Quality against a cost, one line per method through its budgets (sorted by `x`), error bars from
+    ci_low..ci_high; one panel per model (rows) and metric (columns, labelled by `ylabels`). The `emphasise`d
+    method is drawn black and thicker; a method with one point is a marker only.
+
+    Args:
+        df: model, method, metric, value, ci_low, ci_high and the `x` column.
+        logy: metrics drawn on a log axis.
+    """
+    set_theme()
+    methods = list(dict.fromkeys(df.method))
+    colors = dict(zip([m for m in methods if m != emphasise], sns.color_palette("tab20"), strict=False))
+    colors[emphasise] = "black"
+    grid = sns.FacetGrid(df, row="model", col="metric", height=3.6, aspect=1.5, sharey=False, sharex=False,
+                         margin_titles=True)
+    for ax, ((_, metric), part) in zip(grid.axes.flat, _facets(df, "model", "metric"), strict=True):
+        for method, line in part.sort_values(x).groupby("method", sort=False):
+            err = [line.value - line.ci_low, line.ci_high - line.value]
+            ax.errorbar(line[x], line.value, yerr=err, color=colors[method], marker="o", ms=4, capsize=2,
+                        lw=2.2 if method == emphasise else 1.1, label=method, zorder=3 if method == emphasise else 2)
+        ax.set_ylabel(ylabels.get(metric, metric))
+        if metric in logy:
+            ax.set_yscale("log")
+    grid.set_titles(row_template="{row_name}", col_template="")
+    for ax in grid.axes[-1]:
+        ax.set_xlabel(xlabel)
+    legend = {}  # every method once, from whichever panel has it
+    for ax in grid.axes.flat:
+        legend |= {label: h for h, label in zip(*ax.get_legend_handles_labels(), strict=True) if label not in legend}
+    grid.figure.legend(list(legend.values()), list(legend), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
+                       title="method")
+    grid.figure.suptitle(title, y=1.02)
+    grid.tight_layout()
+    return grid.figure
