@@ -5,6 +5,7 @@ import json
 import pytest
 
 from harp_src.report.files import atomic_path, write_json, write_text
+from harp_src.report.parts import source_digest, stored_part
 
 
 def test_write_replaces_whole_files(tmp_path):
@@ -32,3 +33,23 @@ def test_a_folder_is_replaced_whole(tmp_path):
             (tmp / "weights.txt").write_text(version)
     assert [p.name for p in target.iterdir()] == ["weights.txt"] and (target / "weights.txt").read_text() == "v2"
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_stored_parts_are_reused_only_for_the_same_parameters(tmp_path):
+    calls = []
+
+    def compute(value):
+        def run():
+            calls.append(value)
+            return {"value": value}
+        return run
+
+    first, made = stored_part("nb", {"model": "m", "n": 1}, compute(1), reuse=True, folder=tmp_path)
+    assert first == {"value": 1} and not made["reused"] and made["source_digest"] == source_digest()
+    again, made = stored_part("nb", {"model": "m", "n": 1}, compute(2), reuse=True, folder=tmp_path)
+    assert again == {"value": 1} and made["reused"] and calls == [1]  # same parameters: read back, not recomputed
+    other, _ = stored_part("nb", {"model": "m", "n": 2}, compute(3), reuse=True, folder=tmp_path)
+    fresh, made = stored_part("nb", {"model": "m", "n": 1}, compute(4), reuse=False, folder=tmp_path)
+    assert other == {"value": 3} and fresh == {"value": 4} and not made["reused"] and calls == [1, 3, 4]
+    assert stored_part("nb", {"model": "m", "n": 1}, compute(5), reuse=True, folder=tmp_path)[0] == {"value": 4}
+    assert len(list(tmp_path.iterdir())) == 2  # one file per parameter set, no temporaries left

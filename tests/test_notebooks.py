@@ -67,17 +67,19 @@ GOLDEN = {
         "smollm2-135m/HARP, searched α/long_context/multidoc": (0.25, dict(abs=0.01)),
         "smollm2-135m/searched_alphas_top_first": ([0.3, 0.4, 0.8, 0.0], dict(abs=0.11)),
     },
-    "06_baselines": {  # 2 x 128 calibration tokens, 4 x 127 predicted tokens per corpus, 6 items per task
-        "smollm2-135m/budget/harp": (2211840, dict(abs=0)),  # Q + K of the top 4 layers, V + O of the α = 0 one
-        "smollm2-135m/budget/release": (3538944, dict(abs=0)),  # all attention weights of those 4 layers
-        "smollm2-135m/dense/dense/ppl enwiki": (32.47, dict(rel=0.01)),
-        "smollm2-135m/HARP/harp/kl enwiki": (0.2112, dict(rel=0.03)),
-        "smollm2-135m/HARP + FLAP/release/kl enwiki": (0.2424, dict(rel=0.03)),
-        "smollm2-135m/mag-sp [mlp]/harp/kl enwiki": (3.719, dict(rel=0.03)),
-        "smollm2-135m/flap [mlp]/harp/kl enwiki": (0.0606, dict(rel=0.05)),
-        "smollm2-135m/shortgpt/harp/kl enwiki": (0.1162, dict(rel=0.03)),
-        "smollm2-135m/wanda/harp/kl enwiki": (1.05e-4, dict(abs=5e-5)),  # zeroing 2 % of weights barely moves it
-        "smollm2-135m/searched_alphas_top_first": ([0.3, 0.4, 0.8, 0.0], dict(abs=0.11)),
+    "06_baselines": {  # levels N=2 and 8 (quarter depth), 2 x 128 calibration tokens, 2 x 127 predicted test tokens
+        "smollm2-135m/budget/2": (1327104, dict(abs=0)),  # HARP's real drop: Q + K of the top 2 layers (no α = 0)
+        "smollm2-135m/budget/8": (5530176, dict(abs=0)),
+        "smollm2-135m/budget/paper": (3981312, dict(abs=0)),  # the paper's convention at quarter depth
+        "smollm2-135m/harp/N=8/kl": (1.280, dict(rel=0.03)),
+        "smollm2-135m/harp/paper/kl": (1.280, dict(rel=0.03)),  # the same model as N=8, measured once
+        "smollm2-135m/flap [heads+mlp]/N=8/kl": (0.6428, dict(rel=0.05)),
+        "smollm2-135m/flap [mlp]/N=8/kl": (0.1730, dict(rel=0.05)),
+        "smollm2-135m/llm-pruner [heads+mlp]/N=8/kl": (0.3464, dict(rel=0.05)),
+        "smollm2-135m/shortgpt/N=2/kl": (0.1276, dict(rel=0.03)),
+        "smollm2-135m/harp-bi/N=8/kl": (0.3947, dict(rel=0.05)),
+        "smollm2-135m/wanda/N=8/kl": (1.6e-3, dict(abs=5e-4)),
+        "smollm2-135m/N=8/harp_on_frontier": (False, dict(abs=0)),
     },
     "07_head_importance": {  # 2 x 64 tokens score the heads, 2 x 63 predicted test tokens: sizes that only exercise it
         "smollm2-135m/dense/dense/0.000/ppl": (89.49, dict(rel=0.01)),

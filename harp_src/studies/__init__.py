@@ -8,7 +8,7 @@
 | 03_alpha_search | `alpha_search` |
 | 04_long_context_timing | `long_context_timing` |
 | 05_ablations | `ablations` |
-| 06_baselines | `equal_budget` |
+| 06_baselines | `frontier` |
 | 07_head_importance | `head_importance` |
 | 08_evaluation | `evaluation` |
 
