@@ -24,7 +24,7 @@ from .measure.flops import search_flops
 from .measure.search_bench import benchmark_search
 from .measure.timing import check_threads, compare, harp_copy
 from .method.accounting import param_report
-from .method.harp import HarpPlan, apply_harp
+from .method.harp import HarpPlan, apply_harp, check_bypass
 from .method.layers import check_layers, parse_layer_key
 from .method.search import GRID, search_alphas
 from .model.adapter import fingerprint, get_adapter
@@ -96,6 +96,7 @@ def _ppl(model, tok, args) -> float:
 
 def cmd_prune(args) -> dict:
     alphas = parse_alphas(args.alphas)
+    check_bypass(args.bypass)
     check_plan_target(args.out)
     if args.save:
         check_save_target(args.save, args.overwrite)
@@ -104,7 +105,7 @@ def cmd_prune(args) -> dict:
     out = {"model": model_info(model), "layers": layers}
     if args.ppl:
         out["ppl_before"] = _ppl(model, tok, args)
-    plan = apply_harp(model, layers, alphas, fold=not args.no_fold,
+    plan = apply_harp(model, layers, alphas, fold=not args.no_fold, bypass=args.bypass,
                       meta={"source": "cli prune", "model_id": model.harp_source["model_id"]})
     out |= {"alphas": plan.alphas, **param_report(model.config, plan)}
     if args.ppl:
@@ -144,6 +145,9 @@ def parse_grid(text: str | None) -> tuple[float, ...]:
 
 def cmd_search(args) -> dict:
     grid = parse_grid(args.grid)
+    check_bypass(args.bypass)
+    if args.compare_naive and args.bypass != "identity":
+        raise ValueError("--compare-naive benchmarks the identity bypass's search; drop --bypass or --compare-naive")
     check_threads(args.threads)
     check_plan_target(args.out)
     if args.save:
@@ -162,13 +166,14 @@ def cmd_search(args) -> dict:
     else:
         history = []
         start = time.perf_counter()
-        alphas = search_alphas(model, calib, layers, grid, batch_size=args.batch_size, history=history)
+        alphas = search_alphas(model, calib, layers, grid, batch_size=args.batch_size, history=history,
+                               bypass=args.bypass)
         out["search_s"] = time.perf_counter() - start
     out |= {"alphas": alphas, "calib_ppl": {f"{r['layer']}@{r['alpha']:g}": round(r["calib_ppl"], 4) for r in history}}
     plan = HarpPlan(fingerprint(model.config), alphas,
                     meta={"source": "greedy α search", "model_id": model.harp_source["model_id"],
                           "calib": f"{args.corpus}/train {args.n_windows}x{args.seq_len} seed {args.seed}",
-                          "grid": list(grid)})
+                          "grid": list(grid)}, bypass=args.bypass)
     if args.out:
         plan.to_json(args.out)
         out["plan"] = args.out
@@ -188,13 +193,17 @@ def cmd_timing(args) -> dict:
     check_threads(args.threads)
     plan = read_plan(args.plan)
     alphas = parse_alphas(args.alphas)
+    bypass = check_bypass(args.bypass or (plan.bypass if plan else "identity"))
+    if plan is not None and plan.bypass != bypass:
+        raise ValueError(f"plan file {args.plan} was made for the {plan.bypass} bypass (its α's and folded weights "
+                         f"belong to it), not --bypass {args.bypass}; drop --bypass or search a {args.bypass} plan")
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
     if plan is not None:  # e.g. the searched α's from `search --out`; refused if made for another model
         harp = copy.deepcopy(model)
         apply_plan_file(plan, args.plan, harp)
     else:
         layers = check_layers(get_adapter(model), args.layers)
-        harp, plan = harp_copy(model, layers, alphas)
+        harp, plan = harp_copy(model, layers, alphas, bypass=bypass)
     summary, _ = compare(model, harp, seq_lens, repeats=args.repeats, warmup=args.warmup,
                          decode_steps=args.decode_steps, threads=args.threads,
                          seed=args.seed)
@@ -222,6 +231,19 @@ def cmd_evalbench(args) -> dict:
     return {"model": model_info(model), "info": run_info(0, args.device), "rows": rows}
 
 
+def _add_evalbench(sub) -> None:
+    bench = sub.add_parser("evalbench", help="benchmark: lm-eval's stock HFLM vs FastHFLM on the same requests, "
+                                             "interleaved; items/s, ratio, largest log-likelihood difference")
+    _model_args(bench)
+    bench.add_argument("--tasks", default="arc_easy", help="comma-separated log-likelihood tasks")
+    bench.add_argument("--limit", type=int, default=100, help="items per task (mmlu: per subject)")
+    bench.add_argument("--fewshot", type=int, default=None, help="shots for every task (default: the paper's)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed runs of each scorer (median)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed runs of each scorer first")
+    bench.add_argument("--threads", type=int, default=2, help="torch intra-op threads, fixed for both")
+    bench.set_defaults(func=cmd_evalbench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m harp_src", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -231,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--layers", required=True, help="top:N, bottom:N, a-b or a,b,c (0-based)")
     prune.add_argument("--alphas", default="1.0", help="one α for all layers, or 22=0.5,23=0.3")
     prune.add_argument("--no-fold", action="store_true", help="keep the repeat and α outside the weights")
+    prune.add_argument("--bypass", default="identity", help="identity (HARP) or mean (the causal-mean bypass)")
     prune.add_argument("--ppl", action="store_true", help="also measure test PPL before and after")
     prune.add_argument("--out", help="write the plan (JSON) here")
     prune.add_argument("--save", help="write the pruned model here as a checkpoint (from_pretrained loads it); "
@@ -242,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(search)
     search.add_argument("--layers", required=True, help="top:N, bottom:N, a-b or a,b,c (0-based)")
     search.add_argument("--grid", help="comma-separated α values (default 0.0,0.1,...,1.0)")
+    search.add_argument("--bypass", default="identity", help="identity (HARP) or mean (the causal-mean bypass)")
     search.add_argument("--compare-naive", action="store_true",
                         help="benchmark: cached and naive candidate evaluations interleaved (A B, B A); "
                              "times, ratio, FLOP ratio, same_alphas")
@@ -262,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     timing.add_argument("--layers", default="top:8", help="top:N, bottom:N, a-b or a,b,c (0-based)")
     timing.add_argument("--alphas", default="1.0", help="one α for all layers, or 22=0.5,23=0.3 (0 drops V, O too)")
     timing.add_argument("--plan", help="a plan JSON (from `search` or `prune`) instead of --layers/--alphas")
+    timing.add_argument("--bypass", default=None, help="identity (HARP, the default) or mean; a plan's own")
     timing.add_argument("--seq-lens", default="1024,4096,16384", help="comma-separated prompt lengths")
     timing.add_argument("--repeats", type=int, default=3, help="timed prefills per model and length (median)")
     timing.add_argument("--warmup", type=int, default=1, help="untimed prefills per model and length")
@@ -270,16 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     timing.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     timing.add_argument("--csv", help="also write the rows as CSV here")
     timing.set_defaults(func=cmd_timing)
-    bench = sub.add_parser("evalbench", help="benchmark: lm-eval's stock HFLM vs FastHFLM on the same requests, "
-                                             "interleaved; items/s, ratio, largest log-likelihood difference")
-    _model_args(bench)
-    bench.add_argument("--tasks", default="arc_easy", help="comma-separated log-likelihood tasks")
-    bench.add_argument("--limit", type=int, default=100, help="items per task (mmlu: per subject)")
-    bench.add_argument("--fewshot", type=int, default=None, help="shots for every task (default: the paper's)")
-    bench.add_argument("--repeats", type=int, default=3, help="timed runs of each scorer (median)")
-    bench.add_argument("--warmup", type=int, default=1, help="untimed runs of each scorer first")
-    bench.add_argument("--threads", type=int, default=2, help="torch intra-op threads, fixed for both")
-    bench.set_defaults(func=cmd_evalbench)
+    _add_evalbench(sub)
     return parser
 
 

@@ -215,7 +215,8 @@ def _first_difference(expected: list[dict], declared: list[dict]) -> str | None:
             return f"{path}: the structure makes it a {b.get('kind')} module, the plan leaves it unpruned"
         if b is None:
             return f"{path}: the plan makes it a {a.get('kind')} module, the structure leaves it unpruned"
-        key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+        keys = sorted(set(a) | set(b), key=lambda k: (k not in ("kind", "mixing"), k))  # what it is, first
+        key = next(k for k in keys if a.get(k) != b.get(k))
         return f"{path}: its {key} is {a.get(key)!r} by the plan but {b.get(key)!r} in the structure"
     return None
 

@@ -207,6 +207,10 @@ CLI = {
     "layers out of range": (lambda w: ["prune", "--model", str(w / "tiny"), "--layers", "2-7"], "out of range"),
     "layers that name nothing": (lambda w: ["prune", "--model", str(w / "tiny"), "--layers", "3-2"],
                                  "no layers given"),
+    "an unknown bypass": (prune_to("--bypass", "avg"), "unknown bypass 'avg': choose one of \\['identity', 'mean'\\]"),
+    "a mean bypass on a plan made for the identity": (
+        lambda w: ["timing", "--model", str(w / "tiny"), "--plan", str(w / "plan.json"), "--bypass", "mean"],
+        "made for the identity bypass"),
     "search grid outside [0, 1]": (
         lambda w: ["search", "--model", str(w / "tiny"), "--layers", "3", "--grid", "0,2"], "--grid '0,2'"),
     "search with zero threads": (

@@ -10,7 +10,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from harp_src import apply_harp
-from harp_src.measure.timing import REFERENCE, latency_group, latency_pair
+from harp_src.measure.timing import REFERENCE, harp_copy, latency_group, latency_pair, time_shapes
 from harp_src.model.adapter import fingerprint, get_adapter
 from harp_src.model.modeling_harp import Constant
 from harp_src.pruning import methods
@@ -271,11 +271,30 @@ def test_latency_group_times_every_model_against_one_reference():
         latency_group(dense, {REFERENCE: harp}, 16)
 
 
+def test_time_shapes_builds_a_group_at_a_time_and_times_it_at_both_lengths():
+    dense = make_tiny("llama")
+    built = []
+
+    def builder(bypass):
+        def build():
+            built.append(bypass)
+            return harp_copy(dense, "top:2", 0.5, bypass=bypass)[0]
+        return build
+
+    timed = time_shapes(dense, {"identity": builder("identity"), "mean": builder("mean")}, (8, 16), repeats=1,
+                        decode_steps=2, group=1)
+    assert built == ["identity", "mean"] and set(timed) == {"identity", "mean", REFERENCE}
+    for short, long in timed.values():
+        assert (short["seq_len"], long["seq_len"]) == (8, 16) and "decode_ms" not in short and long["decode_ms"] > 0
+    assert timed["mean"][1]["kv_bytes"] == timed["identity"][1]["kv_bytes"] == timed[REFERENCE][1]["kv_bytes"] / 2
+
+
 def test_variant_specs():
     assert variants(["flap"]) == [("flap", "heads+mlp"), ("flap", "mlp")]
     assert variants(["flap:mlp", "shortgpt", "harp-bi"]) == [("flap", "mlp"), ("shortgpt", "blocks"),
                                                              ("harp-bi", "attention")]
-    assert len(variants(["all"])) == sum(len(s) for s in SCOPES.values()) + 1  # every baseline scope and harp-bi
+    assert variants(["harp-mean"]) == [("harp-mean", "attention")]
+    assert len(variants(["all"])) == sum(len(s) for s in SCOPES.values()) + 2  # every scope, harp-bi, harp-mean
     assert ("mag-sp", "heads+mlp") not in variants(["all"])  # its uniform ratio has no head allocation
     with pytest.raises(ValueError, match="unknown method 'flapp'"):
         variants(["flapp"])

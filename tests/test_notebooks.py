@@ -80,6 +80,8 @@ GOLDEN = {
         "smollm2-135m/harp-bi/N=8/kl": (0.3947, dict(rel=0.05)),
         "smollm2-135m/wanda/N=8/kl": (1.6e-3, dict(abs=5e-4)),
         "smollm2-135m/N=8/harp_on_frontier": (False, dict(abs=0)),
+        "smollm2-135m/harp-mean/N=8/kl": (0.6760, dict(rel=0.05)),  # the causal-mean bypass, α searched for it
+        "smollm2-135m/harp-mean/N=2/kl": (0.0644, dict(rel=0.05)),
     },
     "07_head_importance": {  # 2 x 64 tokens score the heads, 2 x 63 predicted test tokens: sizes that only exercise it
         "smollm2-135m/dense/dense/0.000/ppl": (89.49, dict(rel=0.01)),

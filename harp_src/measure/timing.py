@@ -160,10 +160,11 @@ def random_prompt(vocab_size: int, seq_len: int, seed: int, device: torch.device
     return torch.randint(0, vocab_size, (1, seq_len), generator=gen).to(device)
 
 
-def harp_copy(model, layers: Iterable[int] | str, alphas: float | dict[int, float] = 1.0, fold: bool = True):
+def harp_copy(model, layers: Iterable[int] | str, alphas: float | dict[int, float] = 1.0, fold: bool = True,
+              bypass: str = "identity"):
     """A pruned deep copy of `model` (the dense one is left as it is) and its plan."""
     pruned = copy.deepcopy(model)
-    plan = apply_harp(pruned, layers, alphas, fold=fold, meta={"source": "timing"})
+    plan = apply_harp(pruned, layers, alphas, fold=fold, meta={"source": "timing"}, bypass=bypass)
     return pruned, plan
 
 
@@ -405,6 +406,29 @@ def latency_group(reference, models: dict, seq_len: int, *, repeats: int = 3, wa
             out[name] |= {"decode_reference_ms": 1e3 * d[REFERENCE], "decode_ms": 1e3 * d[name],
                           "decode_speedup": d[REFERENCE] / d[name], "decode_tokens_per_s": 1 / d[name],
                           "kv_bytes": kv[name]}
+    return out
+
+
+def time_shapes(reference, builders: dict[str, Callable], seq_lens: tuple[int, int], *, repeats: int,
+                decode_steps: int, seed: int = 0, group: int = 6, desc: str = "timing") -> dict[str, tuple[dict, dict]]:
+    """Prefill at two prompt lengths (decode at the longer) of many pruned models against `reference`, their dense
+    model: the models are built `group` at a time (their copies are held at once) and each group is timed in one
+    round-robin with the reference (`latency_group`), first at the short length, which warms every model up, then
+    at the long one without another warm-up (on a CPU one more long prefill per model costs a minute).
+
+    Args:
+        builders: {name: function returning a pruned copy}; a name may not be REFERENCE.
+    Returns:
+        {name: (short-length figures, long-length figures)}, the reference's own under REFERENCE (last group's).
+    """
+    short, long = seq_lens
+    names, out = list(builders), {}
+    for start in tqdm(range(0, len(names), group), desc=desc):
+        models = {name: builders[name]() for name in names[start:start + group]}
+        fast = latency_group(reference, models, short, repeats=repeats, decode_steps=0, seed=seed)
+        slow = latency_group(reference, models, long, repeats=repeats, warmup=0, decode_steps=decode_steps, seed=seed)
+        out |= {name: (fast[name], slow[name]) for name in [*models, REFERENCE]}
+        del models
     return out
 
 

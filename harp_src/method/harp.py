@@ -4,6 +4,10 @@ reproduces it.
 Per pruned layer ℓ (paper eq. for H = H + α·H W_V W_O, GQA heads in `repeat_kv` order):
     h = h + α · o_proj(repeat_kv(v_proj(norm(h))))        (Gemma: α multiplies the post-attention-norm output)
 α = 0 removes the whole attention sub-layer. Pruned layers get a no-storage slot in every KV cache.
+
+`bypass="mean"` fixes the attention matrix to the uniform causal average instead of the identity (our extension,
+not the paper's): h = h + α · o_proj(repeat_kv(cummean_t(v_proj(norm(h))))). It costs O(T · d) like the identity,
+and decoding keeps one running sum and count per layer instead of K/V.
 """
 
 from __future__ import annotations
@@ -20,12 +24,12 @@ import torch
 from torch import nn
 
 from ..model.adapter import Adapter, check_fingerprint, fingerprint, get_adapter, mark_kv_free, text_config
-from ..model.modeling_harp import BypassAttention, DroppedAttention, mark_pruned
+from ..model.modeling_harp import MIXINGS, BypassAttention, DroppedAttention, mark_pruned
 from ..report.files import check_object, read_json, write_text
 from .layers import check_layers, is_integer, is_number, parse_layer_key
 
 # ---------------------------------------------------------------------------------------------- the plan
-PLAN_KEYS = ("fingerprint", "alphas", "fold", "meta")
+PLAN_KEYS = ("fingerprint", "alphas", "fold", "meta", "bypass")
 
 
 def check_alpha(layer, a) -> float:
@@ -52,7 +56,8 @@ class HarpPlan:
     """Which layers are pruned with which α, for which model; reproducible from the base weights.
 
     Checked on construction: `fingerprint` names every field of `model.adapter.fingerprint`, `alphas` is a non-empty
-    {layer: α in [0, 1]} dict, `fold` a bool, `meta` a dict. Whether the layers exist is checked against a model
+    {layer: α in [0, 1]} dict, `fold` a bool, `meta` a dict, `bypass` one of `MIXINGS` (a plan written before the
+    mean bypass existed has none and is the identity). Whether the layers exist is checked against a model
     (`apply`, `param_report`).
     """
 
@@ -60,6 +65,7 @@ class HarpPlan:
     alphas: dict[int, float]
     fold: bool = True
     meta: dict = field(default_factory=dict)
+    bypass: str = "identity"
 
     def __post_init__(self):
         check_fingerprint(self.fingerprint)
@@ -68,6 +74,7 @@ class HarpPlan:
             raise ValueError(f"fold must be true or false, got {self.fold!r}")
         if not isinstance(self.meta, dict):
             raise ValueError(f"meta must be a mapping, got {type(self.meta).__name__}")
+        check_bypass(self.bypass)
 
     @property
     def layers(self) -> list[int]:
@@ -80,7 +87,7 @@ class HarpPlan:
         if found != self.fingerprint:
             diff = {k: (self.fingerprint.get(k), found.get(k)) for k in found if self.fingerprint.get(k) != found[k]}
             raise ValueError(f"this plan was made for another model: (plan, model) differ in {diff}")
-        return apply_harp(model, self.layers, self.alphas, fold=self.fold, meta=self.meta)
+        return apply_harp(model, self.layers, self.alphas, fold=self.fold, meta=self.meta, bypass=self.bypass)
 
     def to_dict(self) -> dict:
         return {
@@ -88,6 +95,7 @@ class HarpPlan:
             "alphas": {str(k): v for k, v in sorted(self.alphas.items())},
             "fold": self.fold,
             "meta": self.meta,
+            "bypass": self.bypass,
         }
 
     def to_json(self, path: str | Path) -> None:
@@ -104,7 +112,7 @@ class HarpPlan:
             alphas = d["alphas"]
             if isinstance(alphas, dict):
                 alphas = {parse_layer_key(k): v for k, v in alphas.items()}
-            return cls(d["fingerprint"], alphas, d.get("fold", True), d.get("meta", {}))
+            return cls(d["fingerprint"], alphas, d.get("fold", True), d.get("meta", {}), d.get("bypass", "identity"))
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
 
@@ -112,6 +120,13 @@ class HarpPlan:
     def from_json(cls, path: str | Path) -> HarpPlan:
         """Read a plan file (from `to_json`, `prune --out` or `search --out`), refusing anything malformed."""
         return cls.from_dict(read_json(path, "plan file"), f"plan file {path}")
+
+
+def check_bypass(bypass) -> str:
+    """The bypass kind, refused unless it is one of `MIXINGS`."""
+    if bypass not in MIXINGS:
+        raise ValueError(f"unknown bypass {bypass!r}: choose one of {list(MIXINGS)}")
+    return bypass
 
 
 def _check_alphas(layers: list[int], alphas: float | dict[int, float]) -> dict[int, float]:
@@ -136,7 +151,7 @@ def _folded_o_proj(adapter: Adapter, o_proj: nn.Linear, scale: float) -> nn.Line
     return new
 
 
-def _prune_layer(adapter: Adapter, i: int, alpha: float, fold: bool) -> None:
+def _prune_layer(adapter: Adapter, i: int, alpha: float, fold: bool, bypass: str) -> None:
     if alpha == 0.0:
         adapter.set_attention(i, DroppedAttention())
         adapter.remove_attention_norms(i)
@@ -145,12 +160,12 @@ def _prune_layer(adapter: Adapter, i: int, alpha: float, fold: bool) -> None:
     # α goes where it is not undone by a norm: after the attention-output norm if there is one, else into o_proj
     in_o_proj = not adapter.scale_after_norm(i, alpha, fold)
     if fold:
-        bypass = BypassAttention(attn.v_proj, _folded_o_proj(adapter, attn.o_proj, alpha if in_o_proj else 1.0),
-                                 adapter.head_dim, 1, None, alpha)
+        module = BypassAttention(attn.v_proj, _folded_o_proj(adapter, attn.o_proj, alpha if in_o_proj else 1.0),
+                                 adapter.head_dim, 1, None, alpha, mixing=bypass, layer_idx=i)
     else:
-        bypass = BypassAttention(attn.v_proj, attn.o_proj, adapter.head_dim, adapter.n_rep,
-                                 alpha if in_o_proj else None, alpha)
-    adapter.set_attention(i, bypass)
+        module = BypassAttention(attn.v_proj, attn.o_proj, adapter.head_dim, adapter.n_rep,
+                                 alpha if in_o_proj else None, alpha, mixing=bypass, layer_idx=i)
+    adapter.set_attention(i, module)
 
 
 def apply_harp(
@@ -159,6 +174,7 @@ def apply_harp(
     alphas: float | dict[int, float] = 1.0,
     fold: bool = True,
     meta: dict | None = None,
+    bypass: str = "identity",
 ) -> HarpPlan:
     """Turn `model` into a HARP model in place and return the plan that reproduces it.
 
@@ -168,6 +184,8 @@ def apply_harp(
         alphas: {layer: α} with α in [0, 1], or one α for all layers. α = 0 drops the attention sub-layer.
         fold: fold the KV-head repeat and α into the weights (exact; fewer parameters and FLOPs).
         meta: free-form provenance stored in the plan (e.g. how α was chosen).
+        bypass: "identity" (HARP: each token reads its own value) or "mean" (each token reads the mean value of the
+            positions up to it; decoding keeps a running sum per layer, no K/V).
     Returns:
         The HarpPlan; `model.harp_plan` holds the union of all plans applied so far.
     """
@@ -175,16 +193,19 @@ def apply_harp(
     layers = check_layers(adapter, layers)
     if meta is not None and not isinstance(meta, dict):
         raise ValueError(f"meta must be a mapping, got {type(meta).__name__}")
-    plan = HarpPlan(fingerprint(model.config), _check_alphas(layers, alphas), fold, dict(meta or {}))
+    plan = HarpPlan(fingerprint(model.config), _check_alphas(layers, alphas), fold, dict(meta or {}),
+                    check_bypass(bypass))
     previous = getattr(model, "harp_plan", None)
-    if previous is not None and previous.fold != fold:
-        raise ValueError(f"this model's layers {previous.layers} were pruned with fold={previous.fold}; prune the "
-                         f"others with the same fold, so one plan describes the model")
+    for name in ("fold", "bypass"):
+        if previous is not None and getattr(previous, name) != getattr(plan, name):
+            was = getattr(previous, name)
+            raise ValueError(f"this model's layers {previous.layers} were pruned with {name}={was!r}; prune the "
+                             f"others with the same {name}, so one plan describes the model")
     union = plan if previous is None else HarpPlan(
-        plan.fingerprint, {**previous.alphas, **plan.alphas}, fold, {**previous.meta, **plan.meta})
+        plan.fingerprint, {**previous.alphas, **plan.alphas}, fold, {**previous.meta, **plan.meta}, bypass)
     # all checks passed: from here on the model changes
     for i in layers:
-        _prune_layer(adapter, i, plan.alphas[i], fold)
+        _prune_layer(adapter, i, plan.alphas[i], fold, bypass)
     mark_kv_free(model, layers)
     model.harp_plan = union
     mark_pruned(model)  # model.save_pretrained now writes a pruned checkpoint
@@ -192,8 +213,8 @@ def apply_harp(
 
 
 @contextmanager
-def harp_applied(model: nn.Module, layers: Iterable[int], alphas: float | dict[int, float], fold: bool = True
-                 ) -> Iterator[HarpPlan | None]:
+def harp_applied(model: nn.Module, layers: Iterable[int], alphas: float | dict[int, float], fold: bool = True,
+                 bypass: str = "identity") -> Iterator[HarpPlan | None]:
     """Prune copies of `layers` while inside (none: the model as it is, yielding None); on exit the model is
     exactly as before: its layers, KV-cache modes, class and plan. Yields the plan `apply_harp` returned."""
     layers = sorted(layers)
@@ -207,7 +228,7 @@ def harp_applied(model: nn.Module, layers: Iterable[int], alphas: float | dict[i
     try:
         for i in layers:
             adapter.layers[i] = copy.deepcopy(originals[i])
-        yield apply_harp(model, layers, alphas, fold=fold)
+        yield apply_harp(model, layers, alphas, fold=fold, bypass=bypass)
     finally:
         for i, layer in originals.items():
             adapter.layers[i] = layer

@@ -88,11 +88,12 @@ class Boundaries:
         return float(per_window.sum()), len(per_window) * self.n_predicted
 
 
-def nll_of_plan(bounds: Boundaries, layers: list[int], alphas, fold: bool = True) -> tuple[float, int]:
+def nll_of_plan(bounds: Boundaries, layers: list[int], alphas, fold: bool = True, bypass: str = "identity"
+                ) -> tuple[float, int]:
     """NLL of the model with `layers` pruned, rerunning only from the lowest layer the plan bypasses up."""
     if not layers:
         return bounds.nll_from(bounds.ad.n_layers - 1)
-    with harp_applied(bounds.model, layers, alphas, fold) as plan:
+    with harp_applied(bounds.model, layers, alphas, fold, bypass) as plan:
         return bounds.nll_from(plan.layers[0])
 
 

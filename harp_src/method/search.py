@@ -52,18 +52,18 @@ def check_search(model, calib: torch.Tensor, layers, grid) -> tuple[list[int], t
 
 
 def candidate_ppl(model, calib: torch.Tensor, bounds: Boundaries | None, layer: int, alpha: float,
-                  batch_size: int = 4) -> float:
+                  batch_size: int = 4, *, bypass: str = "identity") -> float:
     """Calibration perplexity with `layer` bypassed at `alpha` on top of whatever the model already has pruned:
     from the cached boundary when `bounds` is given (only `layer` and those above it run), else the whole model
     (the naive reference)."""
-    with harp_applied(model, [layer], {layer: alpha}):
+    with harp_applied(model, [layer], {layer: alpha}, bypass=bypass):
         nll, count = bounds.nll_from(layer) if bounds else nll_sum(model, calib, batch_size, progress=False)
     return math.exp(nll / count)
 
 
-def candidate_window_nll(bounds: Boundaries, layer: int, alpha: float) -> torch.Tensor:
+def candidate_window_nll(bounds: Boundaries, layer: int, alpha: float, bypass: str = "identity") -> torch.Tensor:
     """Summed NLL per calibration window [n_windows] with `layer` bypassed at `alpha` (cached boundary)."""
-    with harp_applied(bounds.model, [layer], {layer: alpha}):
+    with harp_applied(bounds.model, [layer], {layer: alpha}, bypass=bypass):
         return bounds.window_nll_from(layer)
 
 
@@ -73,17 +73,17 @@ def pick(grid: tuple[float, ...], scores: list[float]) -> float:
 
 
 def _layer_scores(model, calib: torch.Tensor, bounds: Boundaries | None, layer: int, grid: tuple[float, ...], *,
-                  bar, batch_size: int) -> tuple[list[float], np.ndarray | None]:
+                  bar, batch_size: int, bypass: str) -> tuple[list[float], np.ndarray | None]:
     """Calibration perplexity of every α of the grid at `layer` (the layers above already pruned): cached from
     `bounds` with per-window NLLs [len(grid), n_windows], or naive (None for the per-window NLLs)."""
     scores, per_window = [], []
     for alpha in grid:
         bar.set_postfix(layer=layer, alpha=alpha)
         if bounds is not None:
-            per_window.append(candidate_window_nll(bounds, layer, alpha))
+            per_window.append(candidate_window_nll(bounds, layer, alpha, bypass))
             scores.append(math.exp(float(per_window[-1].sum()) / (len(calib) * bounds.n_predicted)))
         else:
-            scores.append(candidate_ppl(model, calib, None, layer, alpha, batch_size))
+            scores.append(candidate_ppl(model, calib, None, layer, alpha, batch_size, bypass=bypass))
         bar.update()
     return scores, torch.stack(per_window).numpy() if per_window else None
 
@@ -99,6 +99,7 @@ def search_alphas(
     history: list | None = None,
     memo: dict | None = None,
     window_nll: dict | None = None,
+    bypass: str = "identity",
 ) -> dict[int, float]:
     """Greedy top-down α search minimising calibration perplexity; the model is left unchanged.
 
@@ -113,6 +114,7 @@ def search_alphas(
             layers (and hence α's) match an earlier search is not searched again. Identical α's by construction.
         window_nll: if a dict is given, {layer: array [len(grid), n_windows]} of every candidate's summed NLL per
             calibration window (grid ascending), for `resample_search`; needs cache_prefix.
+        bypass: the bypass searched for: "identity" (HARP) or "mean" (the causal-mean extension).
     Returns:
         {layer: α}
     """
@@ -124,15 +126,15 @@ def search_alphas(
     chosen: dict[int, float] = {}
     bar = tqdm(total=len(order) * len(grid), desc="α search")
     for depth, layer in enumerate(order):
-        key = (tuple(order[: depth + 1]), grid, batch_size, cache_prefix)
+        key = (tuple(order[: depth + 1]), grid, batch_size, cache_prefix, bypass)
         if key in memo:
             bar.update(len(grid))
         else:
             if cache_prefix and bounds is None:
                 bounds = Boundaries(model, calib, batch_size)
-            with harp_applied(model, list(chosen), chosen):  # the layers above, pruned once for all candidates
+            with harp_applied(model, list(chosen), chosen, bypass=bypass):  # the layers above, once for all
                 memo[key] = _layer_scores(model, calib, bounds if cache_prefix else None, layer, grid, bar=bar,
-                                          batch_size=batch_size)
+                                          batch_size=batch_size, bypass=bypass)
         scores, per_window = memo[key]
         chosen[layer] = pick(grid, scores)
         if window_nll is not None:
@@ -188,7 +190,8 @@ def resample_search(window_nll: dict[int, np.ndarray], counts: np.ndarray, grid:
 
 
 def refine_alphas(model, calib: torch.Tensor, alphas: dict[int, float], grid: Sequence[float] = GRID, *,
-                  sweeps: int = 1, batch_size: int = 4, history: list | None = None) -> dict[int, float]:
+                  sweeps: int = 1, batch_size: int = 4, history: list | None = None, bypass: str = "identity"
+                  ) -> dict[int, float]:
     """Coordinate descent after the greedy pass: re-search each layer (top-down) with all others at their
     current α, `sweeps` times. Shows whether greedy leaves calibration perplexity on the table."""
     order, grid = check_search(model, calib, list(alphas), grid)
@@ -196,11 +199,11 @@ def refine_alphas(model, calib: torch.Tensor, alphas: dict[int, float], grid: Se
     for sweep in range(sweeps):
         for layer in tqdm(order, desc=f"refine sweep {sweep + 1}"):
             others = {i: a for i, a in current.items() if i != layer}
-            with harp_applied(model, list(others), others):
+            with harp_applied(model, list(others), others, bypass=bypass):
                 bounds = Boundaries(model, calib, batch_size)  # layers below may be pruned: recompute
                 scores = []
                 for alpha in grid:
-                    with harp_applied(model, [layer], {layer: alpha}):
+                    with harp_applied(model, [layer], {layer: alpha}, bypass=bypass):
                         nll, count = bounds.nll_from(layer)
                     scores.append(math.exp(nll / count))
             current[layer] = pick(grid, scores)

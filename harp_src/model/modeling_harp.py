@@ -27,6 +27,7 @@ from transformers import (
     MistralForCausalLM,
     Qwen2ForCausalLM,
 )
+from transformers.cache_utils import DummyLayer
 
 STRUCTURE = "harp_structure"  # config.json key: the modules that differ from the dense model
 PLAN = "harp_plan"  # config.json key: how the model was pruned ({"harp": plan} or {"baseline": record})
@@ -40,31 +41,119 @@ def repeat_heads(v: torch.Tensor, head_dim: int, n_rep: int) -> torch.Tensor:
     return v.unflatten(-1, (-1, head_dim)).repeat_interleave(n_rep, dim=-2).flatten(-2)
 
 
+MIXINGS = ("identity", "mean")  # the bypass's fixed attention matrix: A = I, or the uniform causal average
+
+
+def real_tokens(attention_mask, q_len: int) -> torch.Tensor | None:
+    """[B, q_len] bool: which of the current tokens are real (not padding), read from the 4D mask transformers
+    passes to attention (bool from sdpa, additive from eager). A real token attends to itself; a padding token's own
+    key is masked. The current tokens are the mask's last `q_len` key positions (dynamic caches, sliding or not).
+    None: no mask, every token is real."""
+    if attention_mask is None:
+        return None
+    if not torch.is_tensor(attention_mask) or attention_mask.dim() != 4:
+        raise ValueError(f"the mean bypass reads padding from a 4D tensor mask (sdpa or eager attention), got "
+                         f"{type(attention_mask).__name__}; load the model with attn_implementation='sdpa'")
+    allowed = attention_mask if attention_mask.dtype == torch.bool else (
+        attention_mask > torch.finfo(attention_mask.dtype).min / 2)
+    rows = torch.arange(q_len, device=allowed.device)
+    cols = rows + allowed.shape[-1] - q_len
+    return allowed[:, 0, rows, cols]
+
+
+class RunningMean(DummyLayer):
+    """A cache slot that keeps a mean-bypassed layer's decoding state: the sum of the value vectors seen so far and
+    their count, per sequence; constant size, no K/V. Beam search reorders it like any cache layer; it cannot be
+    cropped (a sum cannot forget its last tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sum = self.count = None
+
+    def reset(self) -> None:
+        self.sum = self.count = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a mean-bypassed layer keeps a running sum, which cannot be cropped: generate "
+                                  "without assisted decoding or cache cropping")
+
+    def _select(self, fn) -> None:
+        if self.sum is not None:
+            self.sum, self.count = fn(self.sum), fn(self.count)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda t: t[indices])
+
+
+def causal_mean(v: torch.Tensor, real: torch.Tensor | None, state: RunningMean | None = None) -> torch.Tensor:
+    """Uniform causal average of v [B, T, D]: position t gets the mean of the real positions ≤ t (those of earlier
+    calls included when `state` carries them; 0 where none is real). O(T · D) by a cumulative sum in float32.
+    `state` is advanced past these positions."""
+    weight = torch.ones(v.shape[:2], device=v.device) if real is None else real.float()
+    sums = torch.cumsum(v.float() * weight[..., None], dim=1)
+    counts = torch.cumsum(weight, dim=1)[..., None]
+    if state is not None:
+        if state.sum is not None:
+            sums, counts = sums + state.sum[:, None], counts + state.count[:, None]
+        state.sum, state.count = sums[:, -1], counts[:, -1]
+    return (sums / counts.clamp_min(1.0)).to(v.dtype)
+
+
+def _mean_state(cache, layer_idx: int) -> RunningMean | None:
+    """The layer's running-mean slot in `cache` (made on first use in place of its empty slot); None without one."""
+    if cache is None:
+        return None
+    slots = cache.layers
+    if not isinstance(slots[layer_idx], RunningMean):
+        if not isinstance(slots[layer_idx], DummyLayer):
+            raise ValueError(f"layer {layer_idx} has a K/V slot in this cache, so its running mean has no place: "
+                             "build the cache from the pruned model's config, and keep at least one layer that is "
+                             "not mean-bypassed (transformers needs one ordinary slot)")
+        slots[layer_idx] = RunningMean()
+    return slots[layer_idx]
+
+
 class BypassAttention(nn.Module):
-    """Attention with the attention matrix fixed to the identity: each token is mixed only with itself.
+    """Attention with a fixed attention matrix: the identity (each token mixed only with itself; `mixing="identity"`)
+    or the uniform causal average (each token reads the mean value of the positions up to it; `mixing="mean"`,
+    whose decoding state is a running sum per layer, see `RunningMean`).
 
     `n_rep > 1` repeats KV heads before o_proj (unfolded form); folded, o_proj already sums the repeated
     heads and `n_rep == 1`. `scale` is α when it is not folded into the weights. `alpha` is the layer's α wherever
     it went (here, into o_proj or into Gemma's output norm): folded weights cannot show it, and a checkpoint's plan
-    is checked against it.
+    is checked against it. `layer_idx` names the layer's cache slot (the mean's running sum).
     """
 
     harp_kind = "bypass"  # how `describe` recognises it, also as a class from a checkpoint's copy of this file
 
     def __init__(self, v_proj: nn.Linear, o_proj: nn.Linear, head_dim: int, n_rep: int, scale: float | None,
-                 alpha: float | None = None):
+                 alpha: float | None = None, *, mixing: str = "identity", layer_idx: int | None = None):
         super().__init__()
+        if mixing not in MIXINGS:
+            raise ValueError(f"unknown bypass {mixing!r}: choose one of {list(MIXINGS)}")
         self.v_proj, self.o_proj = v_proj, o_proj
         self.head_dim, self.n_rep, self.scale, self.alpha = head_dim, n_rep, scale, alpha
+        self.mixing, self.layer_idx = mixing, layer_idx
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
-        out = self.o_proj(repeat_heads(self.v_proj(hidden_states), self.head_dim, self.n_rep))
+        v = self.v_proj(hidden_states)
+        if self.mixing == "mean":
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            real = real_tokens(kwargs.get("attention_mask"), v.shape[1])
+            v = causal_mean(v, real, _mean_state(cache, self.layer_idx))
+        out = self.o_proj(repeat_heads(v, self.head_dim, self.n_rep))
         if self.scale is not None:
             out = out * self.scale
         return out, None  # no attention weights exist: output_attentions cannot bring attention back
 
     def extra_repr(self) -> str:
-        return f"n_rep={self.n_rep}, scale={self.scale}, alpha={self.alpha}"
+        return f"n_rep={self.n_rep}, scale={self.scale}, alpha={self.alpha}, mixing={self.mixing}"
 
 
 class DroppedAttention(nn.Module):
@@ -125,8 +214,9 @@ def _entry(path: str, module: nn.Module) -> dict | None:
     """The structure entry of a replaced module, or None for an ordinary one."""
     kind = kind_of(module)
     if kind == "bypass":
+        mean = {} if module.mixing == "identity" else dict(mixing=module.mixing, layer_idx=module.layer_idx)
         return dict(path=path, kind=kind, v_proj=_linear(module.v_proj), o_proj=_linear(module.o_proj),
-                    head_dim=module.head_dim, n_rep=module.n_rep, scale=module.scale, alpha=module.alpha)
+                    head_dim=module.head_dim, n_rep=module.n_rep, scale=module.scale, alpha=module.alpha, **mean)
     if kind == "constant":
         return dict(path=path, kind=kind, hidden=module.hidden, attention=module.attention,
                     has_value=module.value is not None)
@@ -178,7 +268,8 @@ def _built(entry: dict, current: nn.Module) -> nn.Module:
     kind = entry["kind"]
     if kind == "bypass":
         return BypassAttention(_new_linear(entry["v_proj"]), _new_linear(entry["o_proj"]), entry["head_dim"],
-                               entry["n_rep"], entry["scale"], entry.get("alpha"))
+                               entry["n_rep"], entry["scale"], entry.get("alpha"),
+                               mixing=entry.get("mixing", "identity"), layer_idx=entry.get("layer_idx"))
     if kind == "dropped":
         return DroppedAttention()
     if kind == "constant":

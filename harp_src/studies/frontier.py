@@ -10,6 +10,10 @@ more level, `paper`; unstructured Wanda runs at quarter depth only. Every point 
 test (KL, Δ NLL, top-1 agreement, per window), LAMBADA (every level), ARC-Easy, PIQA and HellaSwag (quarter depth),
 each with a paired interval against dense, and its measured prefill speed-up at two prompt lengths, decode speed at
 the longer one and KV-cache bytes per token (each pruned shape timed once, interleaved with dense).
+
+`harp-mean` (issue 28) is HARP with the causal-mean bypass instead of the identity: at every level its α's are
+searched for that bypass (same greedy search, same windows) and it gets the same axes; its speed is timed in one
+round-robin with identity HARP and dense. It is kept in a part of its own, so adding it reuses a stored main part.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from ..data.corpora import ppl_windows
 from ..eval.fidelity import fidelity_windows, reference_states
 from ..eval.stats import mean_ci, paired_table
 from ..eval.tasks import limits_for, run_tasks
-from ..measure.timing import REFERENCE, latency_group
+from ..measure.timing import REFERENCE, time_shapes
 from ..method.accounting import param_report
 from ..method.harp import HarpPlan, apply_harp
 from ..method.layer_choice import layer_scores, lowest_layers
@@ -43,8 +47,9 @@ from ..pruning.prune import prune
 from ..report.params import StudyParams
 from ..report.parts import stored_part
 
-DENSE, HARP, HARP_BI, PAPER = "dense", "harp", "harp-bi", "paper"
-HARP_KINDS = (HARP, HARP_BI)  # the bypass variants; HARP itself is always measured
+DENSE, HARP, HARP_BI, HARP_MEAN, PAPER = "dense", "harp", "harp-bi", "harp-mean", "paper"
+HARP_KINDS = (HARP, HARP_BI, HARP_MEAN)  # the bypass variants; HARP itself is always measured
+BYPASS = {HARP_MEAN: "mean"}  # the bypass of each HARP variant that is not the identity
 QUARTER_ONLY = (HARP_BI, "wanda")  # measured at the quarter-depth level only
 FIDELITY = ("kl", "delta_nll", "top1_agreement")  # per enwiki-test window, against dense
 LAMBADA = "lambada_openai"
@@ -97,15 +102,15 @@ def levels_for(levels: list | dict, name: str) -> list[int]:
 
 
 def variants(specs: list[str]) -> list[tuple[str, str]]:
-    """(method, scope) pairs from specs "method" (all its scopes) or "method:scope"; ["all"] means every baseline
-    and harp-bi. HARP itself is always measured."""
-    names = [*METHODS, HARP_BI]
+    """(method, scope) pairs from specs "method" (all its scopes) or "method:scope"; ["all"] means every baseline,
+    harp-bi and harp-mean. HARP itself is always measured."""
+    names = [*METHODS, HARP_BI, HARP_MEAN]
     specs = names if list(specs) == ["all"] else specs
     out = []
     for spec in specs:
         method, _, scope = spec.partition(":")
-        if method == HARP_BI:
-            out.append((HARP_BI, "attention"))
+        if method in (HARP_BI, HARP_MEAN):
+            out.append((method, "attention"))
             continue
         if method not in SCOPES:
             raise ValueError(f"unknown method '{method}' in METHODS; choose from {', '.join(names)}")
@@ -142,7 +147,8 @@ def _build(dense, recipe: dict, calib):
     """A pruned copy of `dense` and the baseline's record (None for HARP)."""
     model = copy.deepcopy(dense)
     if "alphas" in recipe:
-        apply_harp(model, sorted(recipe["alphas"]), recipe["alphas"], meta={"method": recipe["method"]})
+        apply_harp(model, sorted(recipe["alphas"]), recipe["alphas"], meta={"method": recipe["method"]},
+                   bypass=BYPASS.get(recipe["method"], "identity"))
         return model, None
     return model, prune(model, recipe["method"], recipe["budget"], calib, recipe["scope"], progress=False)
 
@@ -196,29 +202,20 @@ def _rebuild(dense, row: dict):
     if row["record"] is not None:
         row["record"].apply(model)
     else:
-        apply_harp(model, sorted(row["alphas"]), row["alphas"])
+        apply_harp(model, sorted(row["alphas"]), row["alphas"], bypass=BYPASS.get(row["method"], "identity"))
     return model
 
 
 def _speed(run: ModelRun, rows: list[dict], p: FrontierParams) -> dict[str, dict]:
-    """{shape: speed-ups, decode speed and KV bytes per token} of every distinct pruned shape and of dense, each
-    group of TIMING_GROUP shapes timed in one round-robin with dense at both prompt lengths."""
+    """{shape: speed-ups, decode speed and KV bytes per token} of every distinct pruned shape and of dense (DENSE),
+    TIMING_GROUP shapes at a time in one round-robin with dense at both prompt lengths (`time_shapes`)."""
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     first = {s: next(r for r in rows if r["shape"] == s) for s in shapes}
-    short, long = p.speed_lens
-    out = {}
-    for start in tqdm(range(0, len(shapes), TIMING_GROUP), desc=f"{run.name}: timing"):
-        group = {f"s{k}": _rebuild(run.dense, first[s]) for k, s in enumerate(shapes[start:start + TIMING_GROUP],
-                                                                           start)}
-        fast = latency_group(run.dense, group, short, repeats=p.speed_repeats, decode_steps=0, seed=p.seed)
-        # warmed up by the short round just before; at 8k tokens on a CPU one more prefill per model costs a minute
-        slow = latency_group(run.dense, group, long, repeats=p.speed_repeats, warmup=0,
-                             decode_steps=p.decode_steps, seed=p.seed)
-        for key in group:
-            out[shapes[int(key[1:])]] = _speed_row(fast[key], slow[key], long)
-        out[DENSE] = _speed_row(fast[REFERENCE], slow[REFERENCE], long)  # the last group's dense figures
-        del group
-    return out
+    builders = {f"s{k}": (lambda s=s: _rebuild(run.dense, first[s])) for k, s in enumerate(shapes)}
+    timed = time_shapes(run.dense, builders, tuple(p.speed_lens), repeats=p.speed_repeats,
+                        decode_steps=p.decode_steps, seed=p.seed, group=TIMING_GROUP, desc=f"{run.name}: timing")
+    rows = {shapes[int(k[1:])] if k != REFERENCE else DENSE: _speed_row(*v, p.speed_lens[1]) for k, v in timed.items()}
+    return rows
 
 
 def _speed_row(fast: dict, slow: dict, long: int) -> dict:
@@ -246,23 +243,20 @@ def _budgets(config, plans: dict, levels: list[int], quarter: int) -> dict:
     return {n: r["params_removed"] for n, r in from_plan.items()} | {PAPER: from_plan[quarter]["removed_paper"]}
 
 
-def _model_part(name: str, p: FrontierParams) -> dict:
-    start = time.perf_counter()
+def _setup(name: str, p: FrontierParams) -> tuple[ModelRun, list[int], int]:
+    """The model's run (dense model, windows, dense states), its levels and its quarter depth."""
     dense, tok = load_model(name, dtype=p.dtype, device=p.device)
-    L = fingerprint(dense.config)["num_layers"]
-    quarter = quarter_depth(L)
-    levels = sorted(set(levels_for(p.levels, name)) | {quarter})
+    quarter = quarter_depth(fingerprint(dense.config)["num_layers"])
     calib = ppl_windows(tok, "enwiki", "train", p.n_calib, p.calib_len, p.seed)
     windows = ppl_windows(tok, "enwiki", "test", p.n_eval, p.eval_len, p.seed)
     run = ModelRun(name, dense, tok, calib, windows, reference_states(dense, windows))
-    plans = _plans(run, levels, quarter)
-    budgets = _budgets(dense.config, plans, levels, quarter)
-    items: list = []
-    run_tasks(dense, tok, p.tasks_main, limits_for(p.limit_main, name), num_fewshot=0, batch_size=TASK_BATCH,
-              items=items, verbose=False)
-    items = [dict(model=name, method=DENSE, level="", **r) for r in items]
-    rows, fids = [], []
-    for recipe in tqdm(_recipes(variants(p.methods), levels, quarter, plans, budgets), desc=f"{name}: points"):
+    return run, sorted(set(levels_for(p.levels, name)) | {quarter}), quarter
+
+
+def _points(run: ModelRun, recipes: list[dict], p: FrontierParams, quarter: int) -> tuple[list, list, list]:
+    """Measure every recipe: (run rows, fidelity per window, task items)."""
+    rows, fids, items = [], [], []
+    for recipe in tqdm(recipes, desc=f"{run.name}: points"):
         if "same_as" in recipe:  # HARP at the paper level is the quarter-depth HARP model: measured once
             twin = next(r for r in rows if r["method"] == HARP and r["level"] == recipe["same_as"])
             rows.append(twin | {"level": PAPER, "budget_params": recipe["budget"]})
@@ -272,19 +266,70 @@ def _model_part(name: str, p: FrontierParams) -> dict:
         row, fid, found = _measure(run, recipe, p, quarter)
         rows.append(row)
         fids.append(fid.assign(method=recipe["method"], scope=recipe["scope"], level=recipe["level"]))
-        items += [dict(model=name, method=recipe["method"], scope=recipe["scope"], level=recipe["level"], **r)
+        items += [dict(model=run.name, method=recipe["method"], scope=recipe["scope"], level=recipe["level"], **r)
                   for r in found]
-    speed = _speed(run, rows, p)
-    runs = pd.DataFrame([{k: v for k, v in r.items() if k not in ("record", "alphas")} | speed[r["shape"]]
+    return rows, fids, items
+
+
+def _runs(name: str, rows: list[dict], speed: dict) -> pd.DataFrame:
+    return pd.DataFrame([{k: v for k, v in r.items() if k not in ("record", "alphas")} | speed[r["shape"]]
                          for r in rows]).assign(model=name)
+
+
+def _model_part(name: str, p: FrontierParams) -> dict:
+    start = time.perf_counter()
+    run, levels, quarter = _setup(name, p)
+    plans = _plans(run, levels, quarter)
+    budgets = _budgets(run.dense.config, plans, levels, quarter)
+    items: list = []
+    run_tasks(run.dense, run.tok, p.tasks_main, limits_for(p.limit_main, name), num_fewshot=0, batch_size=TASK_BATCH,
+              items=items, verbose=False)
+    items = [dict(model=name, method=DENSE, level="", **r) for r in items]
+    chosen = [v for v in variants(p.methods) if v[0] != HARP_MEAN]  # harp-mean has a part of its own
+    rows, fids, found = _points(run, _recipes(chosen, levels, quarter, plans, budgets), p, quarter)
+    speed = _speed(run, rows, p)
     dense_row = {"model": name, "method": DENSE, "scope": "", "level": "", "n_layers": 0, "budget_params": 0,
                  "params_removed": 0, "weights_zeroed": 0, "shape": DENSE} | speed[DENSE]
-    return {"runs": pd.concat([pd.DataFrame([dense_row]), runs], ignore_index=True),
-            "fidelity": pd.concat(fids, ignore_index=True).assign(model=name), "items": pd.DataFrame(items),
+    return {"runs": pd.concat([pd.DataFrame([dense_row]), _runs(name, rows, speed)], ignore_index=True),
+            "fidelity": pd.concat(fids, ignore_index=True).assign(model=name), "items": pd.DataFrame(items + found),
             "alphas": pd.DataFrame([dict(model=name, set=str(k), layer=i, alpha=a) for k, plan in plans.items()
                                     for i, a in plan.items()]),
-            "budgets": {name: {str(k): int(v) for k, v in budgets.items()}}, "info": model_info(dense),
+            "budgets": {name: {str(k): int(v) for k, v in budgets.items()}}, "info": model_info(run.dense),
             "seconds": dict(model=name, seconds=time.perf_counter() - start)}
+
+
+def _mean_part(name: str, p: FrontierParams, main: dict) -> dict:
+    """harp-mean at every level: α's searched for the causal-mean bypass (top-down, the deepest N once), the same
+    quality axes, and a timing round-robin of dense, identity HARP and harp-mean at each level (`speed`: both
+    bypasses' figures from that one round-robin)."""
+    start = time.perf_counter()
+    run, levels, quarter = _setup(name, p)
+    L = fingerprint(run.dense.config)["num_layers"]
+    alphas = search_alphas(run.dense, run.calib, list(range(L - max(levels), L)), bypass="mean")
+    drop = main["budgets"][name]
+    recipes = [dict(method=HARP_MEAN, scope="attention", level=f"N={n}", n_layers=n, budget=drop[str(n)],
+                    alphas={i: alphas[i] for i in range(L - n, L)}) for n in levels]
+    rows, fids, items = _points(run, recipes, p, quarter)
+    found = main["alphas"][main["alphas"].set.isin([str(n) for n in levels])]
+    identity = [dict(method=HARP, level=f"N={n}", record=None, shape=f"identity N={n}",
+                     alphas=dict(zip(part.layer, part.alpha, strict=True)))
+                for n, part in ((int(k), g) for k, g in found.groupby("set"))]
+    speed = _speed(run, rows + identity, p)
+    pair = pd.DataFrame([dict(model=name, method=r["method"], level=r["level"]) | speed[r["shape"]]
+                         for r in rows + identity])
+    return {"runs": _runs(name, rows, speed), "fidelity": pd.concat(fids, ignore_index=True).assign(model=name),
+            "items": pd.DataFrame(items), "speed": pair,
+            "alphas": pd.DataFrame([dict(model=name, set=f"{HARP_MEAN} N={r['n_layers']}", layer=i, alpha=a)
+                                    for r in recipes for i, a in r["alphas"].items()]),
+            "seconds": dict(model=name, seconds=time.perf_counter() - start)}
+
+
+def _with_mean(main: dict, mean: dict, made: dict) -> dict:
+    """The main part with harp-mean's points added (and its timing round-robin under `mean_speed`)."""
+    joined = {k: pd.concat([main[k], mean[k]], ignore_index=True) for k in ("runs", "fidelity", "items", "alphas")}
+    seconds = main["seconds"] | {"seconds": main["seconds"]["seconds"] + mean["seconds"]["seconds"]}
+    return main | joined | {"mean_speed": mean["speed"], "seconds": seconds,
+                            "info": main["info"] | {"harp_mean_part": made}}
 
 
 def frontier_study(p: FrontierParams) -> dict:
@@ -294,7 +339,7 @@ def frontier_study(p: FrontierParams) -> dict:
         dict: runs (one row per point: method, scope, level, n_layers, budget_params, params_removed,
         weights_zeroed, speed-ups, decode tokens/s, KV bytes per token), fidelity (per window), items (task items),
         alphas, budgets, infos (each with `part`: whether it was reused from .runs/parts and the commit that made
-        it), seconds.
+        it), seconds, and mean_speed (harp-mean's timing round-robin with identity HARP; empty without harp-mean).
     """
     p.check()
     settings = {k: v for k, v in asdict(p).items() if k not in ("models", "reuse_parts")}
@@ -302,11 +347,16 @@ def frontier_study(p: FrontierParams) -> dict:
     for name in p.models:
         part, made = stored_part(p.NOTEBOOK, {"model": name, **settings}, lambda name=name: _model_part(name, p),
                                  p.reuse_parts)
-        parts.append(part | {"info": part["info"] | {"part": made}})
+        part = part | {"info": part["info"] | {"part": made}}
+        if HARP_MEAN in dict(variants(p.methods)):
+            mean, made = stored_part(p.NOTEBOOK, {"model": name, "part": HARP_MEAN, **settings},
+                                     lambda name=name, part=part: _mean_part(name, p, part), p.reuse_parts)
+            part = _with_mean(part, mean, made)
+        parts.append(part)
 
     def cat(key):
-        return pd.concat([part[key] for part in parts], ignore_index=True)
-    return {**{k: cat(k) for k in ("runs", "fidelity", "items", "alphas")},
+        return pd.concat([part.get(key, pd.DataFrame()) for part in parts], ignore_index=True)
+    return {**{k: cat(k) for k in ("runs", "fidelity", "items", "alphas", "mean_speed")},
             "budgets": {k: v for part in parts for k, v in part["budgets"].items()},
             "infos": [part["info"] for part in parts], "seconds": pd.DataFrame([part["seconds"] for part in parts])}
 
@@ -387,6 +437,20 @@ def verdict(study: dict, vs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def mean_versus_identity(study: dict, vs: pd.DataFrame) -> pd.DataFrame:
+    """harp-mean against identity HARP per model, level and metric (KL, LAMBADA, ARC-Easy where measured): the paired
+    difference mean − identity with its interval, n and `decided`, beside both bypasses' prefill speed-up at the long
+    length and decode speed-up there, from their one timing round-robin with dense."""
+    if study["mean_speed"].empty:
+        return pd.DataFrame()
+    d = vs[(vs.method == HARP_MEAN) & vs.metric.isin(["kl", LAMBADA, "arc_easy"])]
+    speed = study["mean_speed"].pivot_table(index=["model", "level"], columns="method",
+                                            values=["speedup_8k", "decode_speedup_8k"], sort=False)
+    speed.columns = [f"{method} {stat}" for stat, method in speed.columns]
+    keep = ["model", "level", "metric", "diff", "ci_low", "ci_high", "n", "decided"]
+    return d[keep].merge(speed.reset_index(), on=["model", "level"], how="left")
+
+
 def summarise_frontier(frontier: pd.DataFrame, verdicts: pd.DataFrame, study: dict) -> dict:
     """Headline numbers: every frontier value, the verdicts, budgets, α's and run times."""
     out = {}
@@ -397,6 +461,8 @@ def summarise_frontier(frontier: pd.DataFrame, verdicts: pd.DataFrame, study: di
         out[f"{r.model}/{r.level}/dominates_on_kl"] = r.dominates_on_kl
     for model, b in study["budgets"].items():
         out |= {f"{model}/budget/{k}": v for k, v in b.items()}
+    for r in study["mean_speed"].itertuples():
+        out[f"{r.model}/{r.method}/{r.level}/mean_round_speedup_8k"] = float(r.speedup_8k)
     for r in study["seconds"].itertuples():
         out[f"{r.model}/seconds"] = float(r.seconds)
     return out
