@@ -10,7 +10,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from harp_src import apply_harp
-from harp_src.measure.timing import REFERENCE, harp_copy, latency_group, latency_pair, time_shapes
+from harp_src.measure.timing import REFERENCE, harp_copy, latency_group, latency_pair, shape_key, time_shapes
 from harp_src.model.adapter import fingerprint, get_adapter
 from harp_src.model.modeling_harp import Constant
 from harp_src.pruning import methods
@@ -21,7 +21,7 @@ from harp_src.pruning.prune import prune
 from harp_src.pruning.record import PruneRecord
 from harp_src.pruning.selection import global_entries
 from harp_src.pruning.slicing import keep_channels, units
-from harp_src.studies.frontier import HARP, shape_key, variants, versus_harp
+from harp_src.studies.frontier import HARP, variants, versus_harp
 
 FAMILIES = ["llama", "qwen2", "gemma3"]  # GQA (2 KV heads of 4), GQA with q/k/v biases, MQA
 CASES = [(m, s) for m in METHODS for s in SCOPES[m]]

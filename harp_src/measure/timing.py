@@ -12,6 +12,7 @@ import contextlib
 import copy
 import ctypes
 import gc
+import json
 import platform
 import statistics
 import threading
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..method.harp import apply_harp
 from ..model.adapter import head_dim, text_config
+from ..model.modeling_harp import describe
 from .flops import model_flops, speedup_bound
 from .kv import kv_bytes_per_layer, kv_cache_bytes
 
@@ -409,8 +411,16 @@ def latency_group(reference, models: dict, seq_len: int, *, repeats: int = 3, wa
     return out
 
 
+def shape_key(model, record=None) -> str:
+    """What a model's speed depends on: its structure against the dense model (and, for unstructured pruning that
+    keeps every shape, that it is such a model; `record`: its PruneRecord). One key, the same kernels."""
+    zeroed = record is not None and record.weights_zeroed > 0
+    return json.dumps([describe(model), zeroed], sort_keys=True)
+
+
 def time_shapes(reference, builders: dict[str, Callable], seq_lens: tuple[int, int], *, repeats: int,
-                decode_steps: int, seed: int = 0, group: int = 6, desc: str = "timing") -> dict[str, tuple[dict, dict]]:
+                decode_steps: int, seed: int = 0, group: int = 6, store: Callable | None = None,
+                desc: str = "timing") -> dict[str, tuple[dict, dict]]:
     """Prefill at two prompt lengths (decode at the longer) of many pruned models against `reference`, their dense
     model: the models are built `group` at a time (their copies are held at once) and each group is timed in one
     round-robin with the reference (`latency_group`), first at the short length, which warms every model up, then
@@ -418,17 +428,22 @@ def time_shapes(reference, builders: dict[str, Callable], seq_lens: tuple[int, i
 
     Args:
         builders: {name: function returning a pruned copy}; a name may not be REFERENCE.
+        store: called as store(names, compute) per group, returning compute()'s result or a stored one (so an
+            interrupted run keeps its finished groups); None: compute.
     Returns:
         {name: (short-length figures, long-length figures)}, the reference's own under REFERENCE (last group's).
     """
     short, long = seq_lens
     names, out = list(builders), {}
-    for start in tqdm(range(0, len(names), group), desc=desc):
-        models = {name: builders[name]() for name in names[start:start + group]}
+    def one_group(chosen: list[str]) -> dict:
+        models = {name: builders[name]() for name in chosen}
         fast = latency_group(reference, models, short, repeats=repeats, decode_steps=0, seed=seed)
         slow = latency_group(reference, models, long, repeats=repeats, warmup=0, decode_steps=decode_steps, seed=seed)
-        out |= {name: (fast[name], slow[name]) for name in [*models, REFERENCE]}
-        del models
+        return {name: (fast[name], slow[name]) for name in [*models, REFERENCE]}
+
+    for start in tqdm(range(0, len(names), group), desc=desc):
+        chosen = names[start:start + group]
+        out |= store(chosen, lambda c=chosen: one_group(c)) if store else one_group(chosen)
     return out
 
 

@@ -34,8 +34,8 @@ def part_key(params: dict) -> str:
     return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def stored_part(notebook: str, params: dict, compute: Callable[[], dict], reuse: bool,
-                folder: Path | None = None) -> tuple[dict, dict]:
+def stored_part(notebook: str, params: dict, compute: Callable[[], object], reuse: bool,
+                folder: Path | None = None) -> tuple[object, dict]:
     """`compute()`'s result for `params`, or the stored one when `reuse` is set and one exists.
 
     Every computed part is stored (atomically), so a later run can reuse it. Returns (part, provenance): provenance
@@ -53,3 +53,18 @@ def stored_part(notebook: str, params: dict, compute: Callable[[], dict], reuse:
         pickle.dump({"params": json.loads(json.dumps(params, default=str)), "part": part,
                      "provenance": provenance}, f)
     return part, provenance | {"file": str(path)}
+
+
+def stored_step(notebook: str, key: dict, compute: Callable, reuse: bool, made: list) -> object:
+    """One step of a part (a search, a point, a timing group), stored like a part under `.runs/parts/<notebook>/steps`
+    so an interrupted run resumes at its first missing step; its provenance is appended to `made`."""
+    value, provenance = stored_part(notebook, key, compute, reuse, PARTS / notebook / "steps")
+    made.append(provenance)
+    return value
+
+
+def steps_summary(made: list[dict]) -> dict:
+    """How a part's steps came about: how many, how many reused, and the commits and source digests that made them
+    (more than one: the part mixes code versions)."""
+    return {"steps": len(made), "reused": sum(m["reused"] for m in made),
+            "made_by": sorted({f"{m['commit']}/{m['source_digest']}" for m in made})}

@@ -11,17 +11,15 @@ test (KL, Δ NLL, top-1 agreement, per window), LAMBADA (every level), ARC-Easy,
 each with a paired interval against dense, and its measured prefill speed-up at two prompt lengths, decode speed at
 the longer one and KV-cache bytes per token (each pruned shape timed once, interleaved with dense).
 
-`harp-mean` (issue 28) is HARP with the causal-mean bypass instead of the identity: at every level its α's are
-searched for that bypass (same greedy search, same windows) and it gets the same axes; its speed is timed in one
-round-robin with identity HARP and dense. It is kept in a part of its own, so adding it reuses a stored main part.
+`harp-mean` (issue 28), HARP with the causal-mean bypass, gets the same axes at every level, α's searched for it;
+it is timed with identity HARP and dense, and kept in a part of its own (adding it reuses a stored main part).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 import pandas as pd
@@ -32,7 +30,7 @@ from ..data.corpora import ppl_windows
 from ..eval.fidelity import fidelity_windows, reference_states
 from ..eval.stats import mean_ci, paired_table
 from ..eval.tasks import limits_for, run_tasks
-from ..measure.timing import REFERENCE, time_shapes
+from ..measure.timing import REFERENCE, shape_key, time_shapes
 from ..method.accounting import param_report
 from ..method.harp import HarpPlan, apply_harp
 from ..method.layer_choice import layer_scores, lowest_layers
@@ -40,12 +38,11 @@ from ..method.layers import quarter_depth
 from ..method.search import search_alphas
 from ..model.adapter import fingerprint
 from ..model.loading import model_info
-from ..model.modeling_harp import describe
 from ..model.weights import n_params
 from ..pruning.methods import METHODS, SCOPES
 from ..pruning.prune import prune
 from ..report.params import StudyParams
-from ..report.parts import stored_part
+from ..report.parts import steps_summary, stored_part, stored_step
 
 DENSE, HARP, HARP_BI, HARP_MEAN, PAPER = "dense", "harp", "harp-bi", "harp-mean", "paper"
 HARP_KINDS = (HARP, HARP_BI, HARP_MEAN)  # the bypass variants; HARP itself is always measured
@@ -107,8 +104,7 @@ def variants(specs: list[str]) -> list[tuple[str, str]]:
     names = [*METHODS, HARP_BI, HARP_MEAN]
     specs = names if list(specs) == ["all"] else specs
     out = []
-    for spec in specs:
-        method, _, scope = spec.partition(":")
+    for method, _, scope in (spec.partition(":") for spec in specs):
         if method in (HARP_BI, HARP_MEAN):
             out.append((method, "attention"))
             continue
@@ -153,17 +149,11 @@ def _build(dense, recipe: dict, calib):
     return model, prune(model, recipe["method"], recipe["budget"], calib, recipe["scope"], progress=False)
 
 
-def shape_key(model, record) -> str:
-    """What a model's speed depends on: its structure against the dense model (and, for unstructured pruning that
-    keeps every shape, that it is such a model). Two models with one key run the same kernels."""
-    zeroed = record is not None and record.weights_zeroed > 0
-    return json.dumps([describe(model), zeroed], sort_keys=True)
-
-
 @dataclass
 class ModelRun:
-    """One model's share of the study: the dense model, its tokenizer, calibration and evaluation windows, and the
-    dense final states of the evaluation windows (dense runs once per window, not once per point)."""
+    """One model's share of the study: the dense model, its tokenizer, calibration and evaluation windows, the
+    dense final states of the evaluation windows (dense runs once per window, not once per point), the study's
+    parameters and the provenance of every stored step made or reused so far."""
 
     name: str
     dense: object
@@ -171,6 +161,27 @@ class ModelRun:
     calib: object
     windows: object
     states: list
+    params: FrontierParams
+    made: list = field(default_factory=list)
+
+    def step(self, what: dict, compute):
+        """compute()'s result, stored per model, `what` and parameters: an interrupted run resumes after it."""
+        key = {"model": self.name, "step": what, **settings_of(self.params)}
+        return stored_step(self.params.NOTEBOOK, key, compute, self.params.reuse_parts, self.made)
+
+
+def settings_of(p: FrontierParams) -> dict:
+    """The parameters a stored part or step depends on (not which models run, nor whether to reuse)."""
+    return {k: v for k, v in asdict(p).items() if k not in ("models", "reuse_parts")}
+
+
+def _items(run: ModelRun, model, tasks: list[str], limit) -> list[dict]:
+    """Per-item results of `tasks` on `model` (zero-shot, the fast scorer)."""
+    found: list = []
+    if tasks:
+        run_tasks(model, run.tok, tasks, limits_for(limit, run.name), num_fewshot=0, batch_size=TASK_BATCH,
+                  items=found, verbose=False)
+    return found
 
 
 def _tasks_for(recipe: dict, p: FrontierParams, quarter: int) -> tuple[list[str], object]:
@@ -184,11 +195,7 @@ def _measure(run: ModelRun, recipe: dict, p: FrontierParams, quarter: int) -> tu
     """Prune one point and measure its quality: (run row, fidelity per window, task items)."""
     model, record = _build(run.dense, recipe, run.calib)
     fid = fidelity_windows(run.dense, model, run.windows, ref_states=run.states, progress=False)
-    tasks, limit = _tasks_for(recipe, p, quarter)
-    found: list = []
-    if tasks:
-        run_tasks(model, run.tok, tasks, limits_for(limit, run.name), num_fewshot=0, batch_size=TASK_BATCH,
-                  items=found, verbose=False)
+    found = _items(run, model, *_tasks_for(recipe, p, quarter))
     row = {k: recipe[k] for k in ("method", "scope", "level", "n_layers")} | {
         "budget_params": recipe["budget"], "params_removed": n_params(run.dense) - n_params(model),
         "weights_zeroed": 0 if record is None else record.weights_zeroed, "shape": shape_key(model, record),
@@ -208,14 +215,13 @@ def _rebuild(dense, row: dict):
 
 def _speed(run: ModelRun, rows: list[dict], p: FrontierParams) -> dict[str, dict]:
     """{shape: speed-ups, decode speed and KV bytes per token} of every distinct pruned shape and of dense (DENSE),
-    TIMING_GROUP shapes at a time in one round-robin with dense at both prompt lengths (`time_shapes`)."""
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    first = {s: next(r for r in rows if r["shape"] == s) for s in shapes}
-    builders = {f"s{k}": (lambda s=s: _rebuild(run.dense, first[s])) for k, s in enumerate(shapes)}
-    timed = time_shapes(run.dense, builders, tuple(p.speed_lens), repeats=p.speed_repeats,
-                        decode_steps=p.decode_steps, seed=p.seed, group=TIMING_GROUP, desc=f"{run.name}: timing")
-    rows = {shapes[int(k[1:])] if k != REFERENCE else DENSE: _speed_row(*v, p.speed_lens[1]) for k, v in timed.items()}
-    return rows
+    TIMING_GROUP shapes at a time in one round-robin with dense at both prompt lengths, each group a stored step."""
+    first = {r["shape"]: r for r in reversed(rows)}
+    builders = {s: (lambda s=s: _rebuild(run.dense, first[s])) for s in dict.fromkeys(r["shape"] for r in rows)}
+    timed = time_shapes(run.dense, builders, tuple(p.speed_lens), repeats=p.speed_repeats, seed=p.seed,
+                        decode_steps=p.decode_steps, group=TIMING_GROUP, desc=f"{run.name}: timing",
+                        store=lambda names, compute: run.step({"timing": names}, compute))
+    return {DENSE if k == REFERENCE else k: _speed_row(*v, p.speed_lens[1]) for k, v in timed.items()}
 
 
 def _speed_row(fast: dict, slow: dict, long: int) -> dict:
@@ -229,10 +235,11 @@ def _plans(run: ModelRun, levels: list[int], quarter: int) -> dict:
     """{N: α's of the top N}, and harp-bi's {layer: α} under HARP_BI (each searched on the calibration windows)."""
     L = fingerprint(run.dense.config)["num_layers"]
     deepest = list(range(L - max(levels), L))
-    alphas = search_alphas(run.dense, run.calib, deepest)  # greedy top-down: every top-N's α's are its first N
+    # greedy top-down: every top-N's α's are the first N of the deepest search
+    alphas = run.step({"search": deepest}, lambda: search_alphas(run.dense, run.calib, deepest))
     plans = {n: {i: alphas[i] for i in range(L - n, L)} for n in levels}
-    bi_layers = lowest_layers(layer_scores(run.dense, run.calib), "bi_attn", quarter)
-    plans[HARP_BI] = search_alphas(run.dense, run.calib, bi_layers)
+    plans[HARP_BI] = run.step({"search": HARP_BI}, lambda: search_alphas(
+        run.dense, run.calib, lowest_layers(layer_scores(run.dense, run.calib), "bi_attn", quarter)))
     return plans
 
 
@@ -249,7 +256,7 @@ def _setup(name: str, p: FrontierParams) -> tuple[ModelRun, list[int], int]:
     quarter = quarter_depth(fingerprint(dense.config)["num_layers"])
     calib = ppl_windows(tok, "enwiki", "train", p.n_calib, p.calib_len, p.seed)
     windows = ppl_windows(tok, "enwiki", "test", p.n_eval, p.eval_len, p.seed)
-    run = ModelRun(name, dense, tok, calib, windows, reference_states(dense, windows))
+    run = ModelRun(name, dense, tok, calib, windows, reference_states(dense, windows), p)
     return run, sorted(set(levels_for(p.levels, name)) | {quarter}), quarter
 
 
@@ -263,7 +270,7 @@ def _points(run: ModelRun, recipes: list[dict], p: FrontierParams, quarter: int)
             fids.append(fids[rows.index(twin)].assign(level=PAPER))
             items += [i | {"level": PAPER} for i in items if i["method"] == HARP and i["level"] == twin["level"]]
             continue
-        row, fid, found = _measure(run, recipe, p, quarter)
+        row, fid, found = run.step({"point": recipe}, lambda r=recipe: _measure(run, r, p, quarter))
         rows.append(row)
         fids.append(fid.assign(method=recipe["method"], scope=recipe["scope"], level=recipe["level"]))
         items += [dict(model=run.name, method=recipe["method"], scope=recipe["scope"], level=recipe["level"], **r)
@@ -281,10 +288,8 @@ def _model_part(name: str, p: FrontierParams) -> dict:
     run, levels, quarter = _setup(name, p)
     plans = _plans(run, levels, quarter)
     budgets = _budgets(run.dense.config, plans, levels, quarter)
-    items: list = []
-    run_tasks(run.dense, run.tok, p.tasks_main, limits_for(p.limit_main, name), num_fewshot=0, batch_size=TASK_BATCH,
-              items=items, verbose=False)
-    items = [dict(model=name, method=DENSE, level="", **r) for r in items]
+    dense_items = run.step({"dense": p.tasks_main}, lambda: _items(run, run.dense, p.tasks_main, p.limit_main))
+    items = [dict(model=name, method=DENSE, level="", **r) for r in dense_items]
     chosen = [v for v in variants(p.methods) if v[0] != HARP_MEAN]  # harp-mean has a part of its own
     rows, fids, found = _points(run, _recipes(chosen, levels, quarter, plans, budgets), p, quarter)
     speed = _speed(run, rows, p)
@@ -294,7 +299,8 @@ def _model_part(name: str, p: FrontierParams) -> dict:
             "fidelity": pd.concat(fids, ignore_index=True).assign(model=name), "items": pd.DataFrame(items + found),
             "alphas": pd.DataFrame([dict(model=name, set=str(k), layer=i, alpha=a) for k, plan in plans.items()
                                     for i, a in plan.items()]),
-            "budgets": {name: {str(k): int(v) for k, v in budgets.items()}}, "info": model_info(run.dense),
+            "budgets": {name: {str(k): int(v) for k, v in budgets.items()}},
+            "info": model_info(run.dense) | {"steps": steps_summary(run.made)},
             "seconds": dict(model=name, seconds=time.perf_counter() - start)}
 
 
@@ -305,20 +311,21 @@ def _mean_part(name: str, p: FrontierParams, main: dict) -> dict:
     start = time.perf_counter()
     run, levels, quarter = _setup(name, p)
     L = fingerprint(run.dense.config)["num_layers"]
-    alphas = search_alphas(run.dense, run.calib, list(range(L - max(levels), L)), bypass="mean")
+    deepest = list(range(L - max(levels), L))
+    alphas = run.step({"search": deepest, "bypass": "mean"},
+                      lambda: search_alphas(run.dense, run.calib, deepest, bypass="mean"))
     drop = main["budgets"][name]
     recipes = [dict(method=HARP_MEAN, scope="attention", level=f"N={n}", n_layers=n, budget=drop[str(n)],
                     alphas={i: alphas[i] for i in range(L - n, L)}) for n in levels]
     rows, fids, items = _points(run, recipes, p, quarter)
-    found = main["alphas"][main["alphas"].set.isin([str(n) for n in levels])]
-    identity = [dict(method=HARP, level=f"N={n}", record=None, shape=f"identity N={n}",
-                     alphas=dict(zip(part.layer, part.alpha, strict=True)))
-                for n, part in ((int(k), g) for k, g in found.groupby("set"))]
+    found = {k: dict(zip(g.layer, g.alpha, strict=True)) for k, g in main["alphas"].groupby("set")}
+    identity = [dict(method=HARP, level=f"N={n}", record=None, shape=f"identity N={n}", alphas=found[str(n)])
+                for n in levels]
     speed = _speed(run, rows + identity, p)
     pair = pd.DataFrame([dict(model=name, method=r["method"], level=r["level"]) | speed[r["shape"]]
                          for r in rows + identity])
     return {"runs": _runs(name, rows, speed), "fidelity": pd.concat(fids, ignore_index=True).assign(model=name),
-            "items": pd.DataFrame(items), "speed": pair,
+            "items": pd.DataFrame(items), "speed": pair, "steps": steps_summary(run.made),
             "alphas": pd.DataFrame([dict(model=name, set=f"{HARP_MEAN} N={r['n_layers']}", layer=i, alpha=a)
                                     for r in recipes for i, a in r["alphas"].items()]),
             "seconds": dict(model=name, seconds=time.perf_counter() - start)}
@@ -327,32 +334,33 @@ def _mean_part(name: str, p: FrontierParams, main: dict) -> dict:
 def _with_mean(main: dict, mean: dict, made: dict) -> dict:
     """The main part with harp-mean's points added (and its timing round-robin under `mean_speed`)."""
     joined = {k: pd.concat([main[k], mean[k]], ignore_index=True) for k in ("runs", "fidelity", "items", "alphas")}
-    seconds = main["seconds"] | {"seconds": main["seconds"]["seconds"] + mean["seconds"]["seconds"]}
+    seconds, info = main["seconds"] | {"mean_seconds": mean["seconds"]["seconds"]}, main["info"]
     return main | joined | {"mean_speed": mean["speed"], "seconds": seconds,
-                            "info": main["info"] | {"harp_mean_part": made}}
+                            "info": info | {"harp_mean_part": made | {"steps": mean["steps"]}}}
 
 
 def frontier_study(p: FrontierParams) -> dict:
-    """Every method at HARP's real drop at each level of each model (see the module docstring).
+    """Every method at HARP's real drop at each level of each model (see the module docstring). Main parts run
+    before harp-mean parts; parts and their steps (searches, points, timing groups) are stored in .runs/parts, so
+    with REUSE_PARTS an interrupted run resumes where it stopped.
 
     Returns:
-        dict: runs (one row per point: method, scope, level, n_layers, budget_params, params_removed,
-        weights_zeroed, speed-ups, decode tokens/s, KV bytes per token), fidelity (per window), items (task items),
-        alphas, budgets, infos (each with `part`: whether it was reused from .runs/parts and the commit that made
-        it), seconds, and mean_speed (harp-mean's timing round-robin with identity HARP; empty without harp-mean).
+        dict: runs (a row per point: method, scope, level, n_layers, budget_params, params_removed, weights_zeroed,
+        speed-ups, decode tokens/s, KV bytes per token), fidelity (per window), items (task items), alphas, budgets,
+        infos (with each part's and steps' provenance), seconds, mean_speed (harp-mean's round-robin with HARP).
     """
     p.check()
-    settings = {k: v for k, v in asdict(p).items() if k not in ("models", "reuse_parts")}
+    settings = settings_of(p)
     parts = []
     for name in p.models:
         part, made = stored_part(p.NOTEBOOK, {"model": name, **settings}, lambda name=name: _model_part(name, p),
                                  p.reuse_parts)
-        part = part | {"info": part["info"] | {"part": made}}
-        if HARP_MEAN in dict(variants(p.methods)):
+        parts.append(part | {"info": part["info"] | {"part": made}})
+    if HARP_MEAN in dict(variants(p.methods)):
+        for k, (name, part) in enumerate(zip(p.models, list(parts), strict=True)):
             mean, made = stored_part(p.NOTEBOOK, {"model": name, "part": HARP_MEAN, **settings},
                                      lambda name=name, part=part: _mean_part(name, p, part), p.reuse_parts)
-            part = _with_mean(part, mean, made)
-        parts.append(part)
+            parts[k] = _with_mean(part, mean, made)
 
     def cat(key):
         return pd.concat([part.get(key, pd.DataFrame()) for part in parts], ignore_index=True)
@@ -463,6 +471,6 @@ def summarise_frontier(frontier: pd.DataFrame, verdicts: pd.DataFrame, study: di
         out |= {f"{model}/budget/{k}": v for k, v in b.items()}
     for r in study["mean_speed"].itertuples():
         out[f"{r.model}/{r.method}/{r.level}/mean_round_speedup_8k"] = float(r.speedup_8k)
-    for r in study["seconds"].itertuples():
-        out[f"{r.model}/seconds"] = float(r.seconds)
+    for r in study["seconds"].itertuples(index=False):  # seconds (main part), mean_seconds (harp-mean's part)
+        out |= {f"{r.model}/{k}": float(v) for k, v in r._asdict().items() if k.endswith("seconds") and v == v}
     return out
