@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from harp_src.report import parts
 from harp_src.report.files import atomic_path, write_json, write_text
 from harp_src.report.parts import source_digest, stored_part
 
@@ -53,3 +54,20 @@ def test_stored_parts_are_reused_only_for_the_same_parameters(tmp_path):
     assert other == {"value": 3} and fresh == {"value": 4} and not made["reused"] and calls == [1, 3, 4]
     assert stored_part("nb", {"model": "m", "n": 1}, compute(5), reuse=True, folder=tmp_path)[0] == {"value": 4}
     assert len(list(tmp_path.iterdir())) == 2  # one file per parameter set, no temporaries left
+
+
+def test_stored_step_resumes_and_reports_its_provenance(tmp_path, monkeypatch):
+    monkeypatch.setattr(parts, "PARTS", tmp_path)
+    made, calls = [], []
+
+    def compute():
+        calls.append(1)
+        return {"value": len(calls)}
+
+    first = parts.stored_step("nb", {"point": "a"}, compute, True, made)
+    again = parts.stored_step("nb", {"point": "a"}, compute, True, made)
+    fresh = parts.stored_step("nb", {"point": "a"}, compute, False, made)  # not reused without REUSE_PARTS
+    assert first == again == {"value": 1} and fresh == {"value": 2} and len(calls) == 2
+    assert (tmp_path / "nb" / "steps").is_dir()
+    summary = parts.steps_summary(made)
+    assert summary["steps"] == 3 and summary["reused"] == 1 and len(summary["made_by"]) == 1
