@@ -71,3 +71,4 @@ def test_stored_step_resumes_and_reports_its_provenance(tmp_path, monkeypatch):
     assert (tmp_path / "nb" / "steps").is_dir()
     summary = parts.steps_summary(made)
     assert summary["steps"] == 3 and summary["reused"] == 1 and len(summary["made_by"]) == 1
+    assert summary["compute_seconds"] >= 0 and all("seconds" in m for m in made)

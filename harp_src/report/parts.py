@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def stored_part(notebook: str, params: dict, compute: Callable[[], object], reus
         if stored["params"] == json.loads(json.dumps(params, default=str)):
             return stored["part"], stored["provenance"] | {"reused": True, "file": str(path)}
     provenance = {"commit": git_commit(), "source_digest": source_digest(), "reused": False}
+    start = time.perf_counter()
     part = compute()
+    provenance["seconds"] = time.perf_counter() - start  # the compute time, whatever session it ran in
     with atomic_path(path) as tmp, tmp.open("wb") as f:
         pickle.dump({"params": json.loads(json.dumps(params, default=str)), "part": part,
                      "provenance": provenance}, f)
@@ -64,7 +67,9 @@ def stored_step(notebook: str, key: dict, compute: Callable, reuse: bool, made: 
 
 
 def steps_summary(made: list[dict]) -> dict:
-    """How a part's steps came about: how many, how many reused, and the commits and source digests that made them
-    (more than one: the part mixes code versions)."""
+    """How a part's steps came about: how many, how many reused, their summed compute seconds (the part's cost even
+    when it ran over several sessions), and the commits and source digests that made them (more than one: the part
+    mixes code versions)."""
     return {"steps": len(made), "reused": sum(m["reused"] for m in made),
+            "compute_seconds": sum(m.get("seconds", 0.0) for m in made),
             "made_by": sorted({f"{m['commit']}/{m['source_digest']}" for m in made})}
