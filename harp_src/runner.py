@@ -2,7 +2,9 @@
 
     python -m harp_src.runner --profile quick|full [--only 01 02]
 
-Executed copies go to .runs/<profile>/ (git-ignored); a summary table is printed; exit 1 if any failed.
+Executed copies go to .runs/<profile>/ (git-ignored); a full-profile notebook that ran through is also written,
+cleaned of run-to-run noise, to figures/notebooks/ beside its figures (a failed one leaves the committed copy as it
+was). A summary table is printed; exit 1 if any failed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import papermill as pm
 import yaml
 
+from .report.executed import write_executed
 from .report.files import ROOT
 from .report.params import NOTEBOOKS, parameter_spec, parameters_source
 
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in notebooks:
         print(f"[{args.profile}] running {path.name} ...", flush=True)
         rows.append((path.name, *run_notebook(path, args.profile, out_dir)))
+        if args.profile == "full" and rows[-1][1] == "ok":
+            print(f"[full] executed copy: {write_executed(out_dir / path.name)}", flush=True)
         print(f"[{args.profile}] {path.name}: {rows[-1][1]} in {rows[-1][2] / 60:.1f} min", flush=True)
     width = max(len(r[0]) for r in rows)
     print(f"\n{'notebook'.ljust(width)}  status  minutes  note")

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 GOLDEN = {
     "01_over_smoothing": {
+        "uniform_causal_entropy": (3.8782, dict(abs=1e-4)),  # mean ln t over a 128-token window
         "smollm2-135m/similarity_bottom_quarter": (0.4539, dict(abs=0.01)),
         "smollm2-135m/similarity_top_quarter": (0.5894, dict(abs=0.01)),
         "smollm2-135m/min_bypass_error_rescaled": (0.6572, dict(abs=0.02)),

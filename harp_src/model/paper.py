@@ -14,6 +14,14 @@ LLAMA31_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32
 # the official code's Llama-3.1-8B top-8 list, top layer first (DESIGN.md §5)
 OFFICIAL_LLAMA31_8B_TOP_FIRST = (0.8, 0.2, 0.1, 0.1, 0.0, 0.1, 0.0, 0.0)
 PAPER_LLAMA31_8B = {"speedup_64k": 1.167, "param_ratio": 0.033}  # the paper's reported numbers
+PAPER_CONTEXT = 65536  # the paper's long-context timing length ("64k")
+
+
+def paper_numbers() -> list[float]:
+    """The paper's setting and reported results as plain numbers (shapes, α's, speed-up, its 64k length): facts a
+    conclusion may quote beside this study's results."""
+    return [float(v) for v in (*LLAMA31_8B.values(), *OFFICIAL_LLAMA31_8B_TOP_FIRST, *PAPER_LLAMA31_8B.values(),
+                               PAPER_CONTEXT) if not isinstance(v, bool)]
 
 
 def llama31_8b_config() -> LlamaConfig:

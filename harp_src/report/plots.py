@@ -1,13 +1,17 @@
 """Figures: one seaborn theme, one function per figure type (DataFrame in, Figure out), one saver.
 
-Takes tables, never models. `save_figure` writes NAME.png (fixed dpi, byte-stable) and NAME.csv beside it.
+Takes tables, never models. `save_figure` writes NAME.png (fixed dpi, byte-stable) and NAME.csv beside it, and
+shows the PNG in the notebook that called it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import matplotlib
+from IPython import get_ipython
+from IPython.display import Image, display
 
 from .files import atomic_path
 
@@ -36,7 +40,20 @@ def save_figure(fig, table: pd.DataFrame, name: str, out_dir: str | Path) -> Pat
     with atomic_path(out_dir / f"{name}.csv") as tmp:
         table.to_csv(tmp, index=False, float_format="%.6g")
     plt.close(fig)
+    show_saved(png)
     return png
+
+
+FIGURE_KEY = "harp_figure"  # output metadata of a figure shown in a notebook: {"file": name, "sha256": hex}
+
+
+def show_saved(png: Path) -> None:
+    """Show a saved PNG in the notebook that runs this (nothing outside a kernel): the file's own bytes, with their
+    SHA-256 in the output's metadata, so an executed notebook can be checked against the committed figures."""
+    if get_ipython() is None:
+        return
+    data = png.read_bytes()
+    display(Image(data=data), metadata={FIGURE_KEY: {"file": png.name, "sha256": hashlib.sha256(data).hexdigest()}})
 
 
 def line_by_depth(df: pd.DataFrame, title: str, ylabel: str, *, hue: str = "model", x: str = "depth",

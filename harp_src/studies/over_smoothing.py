@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import pandas as pd
 
 from ..checkpoints import load_model
@@ -41,10 +42,18 @@ def analyse_models(p: OverSmoothingParams) -> pd.DataFrame:
     return pd.concat(tables, ignore_index=True)
 
 
-def summarise_over_smoothing(df: pd.DataFrame) -> dict:
+def uniform_causal_entropy(seq_len: int) -> float:
+    """Mean attention entropy (nats) of uniform causal attention over a window: position t spreads over t tokens,
+    so its entropy is ln t; averaged over t = 1..seq_len. The reference for "attention degenerates toward
+    averaging"."""
+    return float(np.log(np.arange(1, seq_len + 1)).mean())
+
+
+def summarise_over_smoothing(df: pd.DataFrame, seq_len: int) -> dict:
     """Headline numbers per model: similarity in the bottom vs top quarter of depth, where the bypass
-    error (after the best rescaling) is smallest, and the mean best α in the top quarter."""
-    out = {}
+    error (after the best rescaling) is smallest, and the mean best α in the top quarter; and the entropy uniform
+    causal attention would have over `seq_len`-token windows."""
+    out = {"uniform_causal_entropy": uniform_causal_entropy(seq_len)}
     for name, part in df.groupby("model"):
         sim = part[(part.metric == "similarity") & (part.layer > 0)]  # layer 0 input = raw embeddings
         rescaled = part[part.metric == "bypass_error_rescaled"]
