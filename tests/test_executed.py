@@ -91,3 +91,9 @@ def test_cleaning_strips_run_noise_and_is_stable():
     assert clean_executed(clean) == clean and nb.cells[0].outputs[1].name == "stderr"  # a copy; stable
     assert hashlib.sha256(nbformat.writes(clean).encode()).hexdigest() == hashlib.sha256(
         nbformat.writes(clean_executed(copy.deepcopy(nb))).encode()).hexdigest()
+
+
+def test_the_readme_links_every_executed_copy():
+    readme = (ROOT / "README.md").read_text()
+    for path in COPIES:
+        assert f"(figures/notebooks/{path.name})" in readme, f"README's notebook table does not link {path.name}"
