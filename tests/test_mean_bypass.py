@@ -8,7 +8,7 @@ import torch
 from conftest import make_tiny
 from test_checkpoints import tokenizer  # noqa: F401  (the fixture)
 from torch.testing import assert_close
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from harp_src import HarpPlan, apply_harp, load_model
@@ -254,3 +254,18 @@ def test_cli_searches_prunes_and_scores_the_mean_bypass(tokenizer, tmp_path, cap
     assert json.loads(capsys.readouterr().out)["plan"]["bypass"] == "mean"
     again, _ = load_model(str(tmp_path / "ckpt"))
     assert again.harp_plan.bypass == "mean" and again.harp_plan.alphas == {2: 0.5, 3: 0.5}
+
+
+def test_caches_it_cannot_keep_a_running_sum_in_are_refused():
+    model = make_tiny("llama")
+    apply_harp(model, "top:2", 0.8, bypass="mean")
+    x, kw = prompt(1, 9), dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match="a static cache, or one built without the config, is not supported"):
+        model.generate(x, cache_implementation="static", **kw)
+    with pytest.raises(ValueError, match="can be cropped"):  # transformers' own check: assisted decoding crops
+        model.generate(x, prompt_lookup_num_tokens=2, **kw)
+    with pytest.raises(ValueError, match="built without the config"):
+        model(x, cache=DynamicCache(), use_cache=True)
+    state = RunningMean()
+    state.crop(0)  # nothing to forget: allowed
+    assert not state.is_croppable and not state.is_compileable

@@ -5,12 +5,14 @@ Two savings, neither of which changes a number beyond float rounding:
   token and the continuation tokens. Gemma-3's 262k-vocabulary head costs more than all of its layers;
 - a token prefix shared by several requests is computed once and reused through the KV cache: the context of a
   multiple-choice question before its choices, a few-shot block shared by the items of one subject. Pruned (HARP)
-  layers keep no cache and need none: a bypassed token only reads itself.
+  layers keep no K/V: an identity-bypassed token only reads itself, and a mean-bypassed layer keeps a running sum
+  per row that counts only the tokens the attention mask marks real.
 
 Requests are sorted so that shared prefixes are adjacent, then scored in blocks. A block may share a long prefix
 (computed once, batch 1); its groups (requests with one and the same context) are batched, their context remainders
-right-padded (a padded position is never read by a real one: attention is causal); then all continuations of the
-batch run on copies of the cache, with an attention mask that hides the padding and explicit positions.
+right-padded, with an attention mask that marks the padding (attention is causal, so no real position would read a
+later padded one, but a mean-bypassed layer's running sum must not count it); then all continuations of the batch
+run on copies of the cache, with an attention mask that hides the padding and explicit positions.
 """
 
 from __future__ import annotations
@@ -156,7 +158,13 @@ class _Scorer:
         rests = [g.context[shared:] for g in groups]
         cache = (_select_rows(shared_cache, [0] * len(groups), self.device) if shared_cache is not None
                  else _new_cache(self.model))
-        hidden = self.forward(_right_pad(rests, self.device), cache)
+        mask = None
+        if len(rests) > 1:  # the running sums of mean-bypassed layers must skip the padding
+            width = max(len(r) for r in rests)
+            mask = torch.zeros(len(rests), shared + width, dtype=torch.long, device=self.device)
+            for k, r in enumerate(rests):
+                mask[k, : shared + len(r)] = 1
+        hidden = self.forward(_right_pad(rests, self.device), cache, mask)
         last = torch.stack([hidden[k, len(r) - 1] for k, r in enumerate(rests)])
         first = self.log_probs(last)  # [groups, vocab]: predicts each continuation's first token
         rows = [(k, i) for k, g in enumerate(groups) for i in g.members]

@@ -27,7 +27,7 @@ from transformers import (
     MistralForCausalLM,
     Qwen2ForCausalLM,
 )
-from transformers.cache_utils import DummyLayer
+from transformers.cache_utils import DummyLayer, StaticLayer
 
 STRUCTURE = "harp_structure"  # config.json key: the modules that differ from the dense model
 PLAN = "harp_plan"  # config.json key: how the model was pruned ({"harp": plan} or {"baseline": record})
@@ -64,7 +64,11 @@ def real_tokens(attention_mask, q_len: int) -> torch.Tensor | None:
 class RunningMean(DummyLayer):
     """A cache slot that keeps a mean-bypassed layer's decoding state: the sum of the value vectors seen so far and
     their count, per sequence; constant size, no K/V. Beam search reorders it like any cache layer; it cannot be
-    cropped (a sum cannot forget its last tokens)."""
+    cropped (a sum cannot forget its last tokens), so generation strategies that crop (assisted decoding) and
+    compiled static caches are refused."""
+
+    is_croppable = False
+    is_compileable = False
 
     def __init__(self):
         super().__init__()
@@ -74,8 +78,9 @@ class RunningMean(DummyLayer):
         self.sum = self.count = None
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a mean-bypassed layer keeps a running sum, which cannot be cropped: generate "
-                                  "without assisted decoding or cache cropping")
+        if tokens_to_remove:
+            raise NotImplementedError("a mean-bypassed layer keeps a running sum, which cannot be cropped: generate "
+                                      "without assisted decoding or cache cropping")
 
     def _select(self, fn) -> None:
         if self.sum is not None:
@@ -101,15 +106,19 @@ def causal_mean(v: torch.Tensor, real: torch.Tensor | None, state: RunningMean |
     if state is not None:
         if state.sum is not None:
             sums, counts = sums + state.sum[:, None], counts + state.count[:, None]
-        state.sum, state.count = sums[:, -1], counts[:, -1]
+        state.sum, state.count = sums[:, -1].clone(), counts[:, -1].clone()  # not views that hold all of `sums`
     return (sums / counts.clamp_min(1.0)).to(v.dtype)
 
 
 def _mean_state(cache, layer_idx: int) -> RunningMean | None:
-    """The layer's running-mean slot in `cache` (made on first use in place of its empty slot); None without one."""
+    """The layer's running-mean slot in `cache` (made on first use in place of its empty slot); None without one.
+    Only dynamic caches: a static one's mask spans slots not yet written, and `real_tokens` would misread it."""
     if cache is None:
         return None
     slots = cache.layers
+    if len(slots) <= layer_idx or any(isinstance(s, StaticLayer) for s in slots):
+        raise ValueError("the mean bypass keeps its running sums in a dynamic cache made from the pruned model's "
+                         "config (the default); a static cache, or one built without the config, is not supported")
     if not isinstance(slots[layer_idx], RunningMean):
         if not isinstance(slots[layer_idx], DummyLayer):
             raise ValueError(f"layer {layer_idx} has a K/V slot in this cache, so its running mean has no place: "
