@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from conftest import make_tiny
 from harp_src import apply_harp
 from harp_src.eval.smoothing import attention_entropy, layer_metrics, mean_pairwise_cosine, one_minus_cos
 from harp_src.method.layer_choice import lowest_layers, taylor_sensitivity

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
+from conftest import make_tiny
 from harp_src import HarpPlan, apply_harp, load_model, prune, save_checkpoint, search_alphas
 from harp_src.__main__ import main
 from harp_src.checkpoints import check_save_target

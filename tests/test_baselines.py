@@ -5,10 +5,10 @@ import json
 import pandas as pd
 import pytest
 import torch
-from conftest import make_tiny
 from torch import nn
 from torch.testing import assert_close
 
+from conftest import make_tiny
 from harp_src import apply_harp
 from harp_src.measure.timing import REFERENCE, harp_copy, latency_group, latency_pair, shape_key, time_shapes
 from harp_src.model.adapter import fingerprint, get_adapter

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from conftest import make_tiny
 from harp_src import apply_harp, load_model
 from harp_src.__main__ import main
 from harp_src.checkpoints import save_checkpoint, tensor_bytes, weights_bytes

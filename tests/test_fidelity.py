@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny
 from torch.testing import assert_close
 
+from conftest import make_tiny
 from harp_src import apply_harp
 from harp_src.eval.fidelity import FIDELITY_METRICS, fidelity, fidelity_windows, reference_states
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny
 
+from conftest import make_tiny
 from harp_src.heads.finetune import FinetuneSpec, check_steps, lora_finetune, next_token_loss, target_modules
 from harp_src.method.harp import apply_harp
 from harp_src.model.adapter import get_adapter

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from conftest import NO_SDPA, make_tiny
 from torch.testing import assert_close
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from conftest import NO_SDPA, make_tiny
 from harp_src import HarpPlan, apply_harp, load_model, param_report
 from harp_src.measure.kv import kv_cache_bytes
 from harp_src.method.layers import parse_layers

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny
 
+from conftest import make_tiny
 from harp_src.eval.fidelity import reference_states
 from harp_src.heads.choice import check_fraction, choose_heads, count_heads, iterative_schedule, without
 from harp_src.heads.finetune import FinetuneSpec

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import FAMILIES, make_tiny
 
+from conftest import FAMILIES, make_tiny
 from harp_src.heads.gates import HeadGates, gate_gradients, taylor_head_scores, window_loss
 from harp_src.heads.patterns import head_statistics, js_divergence, most_redundant, pattern_stats
 from harp_src.heads.removal import slice_off_heads

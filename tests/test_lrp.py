@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import FAMILIES, make_tiny
 from torch.testing import assert_close
 
+from conftest import FAMILIES, make_tiny
 from harp_src import apply_harp
 from harp_src.heads.lrp import (
     LRP_ATTENTION,

@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny
 from test_checkpoints import tokenizer  # noqa: F401  (the fixture)
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from conftest import make_tiny
 from harp_src import HarpPlan, apply_harp, load_model
 from harp_src.__main__ import main
 from harp_src.checkpoints import save_checkpoint

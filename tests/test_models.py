@@ -4,9 +4,9 @@ import time
 
 import pytest
 import torch
-from conftest import make_tiny
 from transformers import Gemma3TextConfig, LlamaConfig
 
+from conftest import make_tiny
 from harp_src import load_model, perplexity, ppl_windows
 from harp_src.model.adapter import family_of, get_adapter, head_dim
 from harp_src.model.loading import PACKAGED, Packaged, hub_reachable, resolve_source

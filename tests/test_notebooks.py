@@ -11,8 +11,8 @@ from pathlib import Path
 
 import papermill as pm
 import pytest
-from conftest import SESSION_START
 
+from conftest import SESSION_START
 from harp_src import runner
 from harp_src.report.params import StudyParams, check_parameters, check_values, parameter_spec, parameters_source
 from harp_src.report.results import output_dir, read_metrics

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import COMMON, FAMILIES, NO_SDPA, make_tiny, tiny_configs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import COMMON, FAMILIES, NO_SDPA, make_tiny, tiny_configs
 from harp_src import apply_harp, load_model
 from harp_src.eval.scoring import plan_blocks, score_requests
 from harp_src.eval.tasks import CLOZE, DISCRIMINATIVE, make_lm, run_tasks, task_requests

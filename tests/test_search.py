@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny
 from transformers import LlamaConfig
 
+from conftest import make_tiny
 from harp_src import apply_harp, load_model, perplexity, ppl_windows
 from harp_src.measure.flops import layer_flops, model_flops, search_flops, speedup_bound
 from harp_src.measure.search_bench import benchmark_search

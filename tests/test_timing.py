@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny
 from transformers import LlamaConfig
 
+from conftest import make_tiny
 from harp_src.__main__ import main
 from harp_src.measure.flops import layer_flops, model_flops, speedup_bound
 from harp_src.measure.timing import compare, flop_bounds, harp_copy, kv_bytes_formula
