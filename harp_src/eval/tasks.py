@@ -41,9 +41,17 @@ GENERATION = ("triviaqa", "nq_open", "gsm8k")
 CLOZE = ("lambada_openai",)  # the last word of a passage, greedy: needs the long-range context attention provides
 
 
+# the reference answer's bits per byte under a request file's own few-shot prompt (lower is better): a generation
+# benchmark's signal for models whose generations score ~0 (issue 29)
+GOLD_BPB = ("gsm8k_gold_bpb", "humaneval_gold_bpb", "mbpp_gold_bpb")
+
+
 # few-shot counts of the paper's evaluation (DESIGN.md §5); ARC-Easy, HellaSwag and LAMBADA are not in it: lm-eval's 0
 PAPER_SHOTS = {"arc_easy": 0, "arc_challenge": 25, "boolq": 0, "piqa": 0, "hellaswag": 0, "winogrande": 5,
                "openbookqa": 0, "mmlu": 5, "triviaqa": 5, "nq_open": 5, "gsm8k": 5, "lambada_openai": 0}
+
+
+PAPER_SHOTS |= dict.fromkeys(GOLD_BPB, 0)  # their shots (GSM8K 8, HumanEval and MBPP 3) are inside the request's prompt
 
 
 # generation cut-off per task (lm-eval's default is 256): the stop strings of triviaqa and nq_open already end the
@@ -60,6 +68,9 @@ PRIMARY |= {t: ("acc", "none") for t in ("boolq", "winogrande", "mmlu", "lambada
 
 PRIMARY |= {"triviaqa": ("exact_match", "remove_whitespace"), "nq_open": ("exact_match", "remove_whitespace"),
             "gsm8k": ("exact_match", "flexible-extract")}
+
+
+PRIMARY |= dict.fromkeys(GOLD_BPB, ("bpb", "none"))
 
 
 def available_tasks() -> list[str]:
@@ -260,7 +271,7 @@ def run_tasks(model, tok, tasks: Iterable[str], limit: int | dict | None = None,
 
     Args:
         model, tok: a loaded causal LM (dense or after apply_harp) and its tokenizer.
-        tasks: names from available_tasks() (DISCRIMINATIVE, GENERATION and CLOZE).
+        tasks: names from available_tasks() (DISCRIMINATIVE, GENERATION, CLOZE and GOLD_BPB).
         limit: items per task (the first `limit` of the evaluated split; for mmlu, per subject), a
             {task: items} dict (tasks not in it: all items), or None for all.
         num_fewshot: one count for every task, a {task: count} dict, or None for the paper's (PAPER_SHOTS).

