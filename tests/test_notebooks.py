@@ -82,7 +82,22 @@ GOLDEN = {
         "smollm2-135m/wanda/N=8/kl": (1.6e-3, dict(abs=5e-4)),
         "smollm2-135m/N=8/harp_on_frontier": (False, dict(abs=0)),
         "smollm2-135m/harp-mean/N=8/kl": (0.6760, dict(rel=0.05)),  # the causal-mean bypass, α searched for it
+        "smollm2-135m/dense/dense/gsm8k_gold_bpb": (0.6550, dict(rel=0.01)),  # gold part: 2 reference solutions
+        "smollm2-135m/harp/N=8/gsm8k_gold_bpb": (1.3905, dict(rel=0.03)),
         "smollm2-135m/harp-mean/N=2/kl": (0.0644, dict(rel=0.05)),
+    },
+    "09_scale": {  # SmolLM2 at quarter depth (its sizes: 06's), 4 task items, 2 gold-bpb items, 1 GSM8K generation
+        "smollm2-135m/harp/kl": (1.280, dict(rel=0.03)),  # 06's HARP at N=8: the same windows and search
+        "smollm2-135m/kl/harp − dense": (1.280, dict(rel=0.03)),
+        "smollm2-135m/harp-mean/kl": (0.6760, dict(rel=0.05)),  # 06's harp-mean at N=8
+        "smollm2-135m/best_baseline": ("flap [mlp]", dict()),
+        "smollm2-135m/dense/gsm8k_gold_bpb": (0.6550, dict(rel=0.01)),  # the 2 reference solutions' bits per byte
+        "smollm2-135m/harp/humaneval_gold_bpb": (0.9354, dict(rel=0.03)),
+    },
+    "10_recovery": {  # 2 LoRA steps of 128 tokens: sizes that only exercise it
+        "smollm2-135m/harp/N=8/kl": (1.280, dict(rel=0.03)),  # before: 06's and 09's HARP
+        "smollm2-135m/harp/N=8 + LoRA/kl": (1.2754, dict(rel=0.03)),
+        "smollm2-135m/harp/kl/gain": (-0.00462, dict(abs=0.002)),  # after − before, on the same windows
     },
     "07_head_importance": {  # 2 x 64 tokens score the heads, 2 x 63 predicted test tokens: sizes that only exercise it
         "smollm2-135m/dense/dense/0.000/ppl": (89.49, dict(rel=0.01)),

@@ -38,6 +38,11 @@ class FinetuneSpec:
     def to_dict(self) -> dict:
         return {**asdict(self), "targets": list(self.targets)}
 
+    def checked(self) -> FinetuneSpec:
+        """This spec, after the checks lora_finetune makes (one clear error for a bad value)."""
+        _check_spec(self)
+        return self
+
 
 def check_steps(steps, needed: bool = True) -> int:
     """Refuse a step count that is not an int, is negative, or is 0 where fine-tuning is needed.

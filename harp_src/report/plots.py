@@ -285,8 +285,10 @@ def heatmaps(df: pd.DataFrame, title: str, row: str = "model", col: str = "metri
 
 
 def curves_with_intervals(df: pd.DataFrame, x: str, y: str, low: str, high: str, hue: str, *, style: str, col: str,
-                          title: str, xlabel: str, ylabel: str, logy: bool = False):
-    """Lines of `y` against `x` per (`hue`, `style`) with error bars from `low`..`high`, one panel per `col`."""
+                          title: str, xlabel: str, ylabel: str, logy: bool = False, logx: bool = False,
+                          zero: bool = False):
+    """Lines of `y` against `x` per (`hue`, `style`) with error bars from `low`..`high`, one panel per `col`
+    (`zero`: a reference line at y = 0, for differences)."""
     set_theme()
     panels = list(dict.fromkeys(df[col]))
     hues = list(dict.fromkeys(df[hue]))
@@ -303,6 +305,10 @@ def curves_with_intervals(df: pd.DataFrame, x: str, y: str, low: str, high: str,
         ax.set(title=str(name), xlabel=xlabel, ylabel=ylabel)
         if logy:
             ax.set_yscale("log")
+        if logx:
+            ax.set_xscale("log")
+        if zero:
+            ax.axhline(0, color="grey", lw=0.8, zorder=0)
     axes[0, -1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.suptitle(title, y=1.02)
     fig.tight_layout()

@@ -11,6 +11,9 @@
 | 06_baselines | `frontier` |
 | 07_head_importance | `head_importance` |
 | 08_evaluation | `evaluation` |
+| 09_scale | `scale` |
+| 10_recovery | `recovery` |
 
-Studies import the capability subpackages of `harp_src` (and `checkpoints.load_model`), never each other.
+Studies import the capability subpackages of `harp_src` (and `checkpoints.load_model`), never each other; 06, 09 and
+10 share their machinery through `harp_src.compare`.
 """

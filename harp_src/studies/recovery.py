@@ -1,0 +1,198 @@
+"""Notebook 10: who is ahead once every method gets the same recovery? (issue 29)
+
+Structured-pruning papers report results after a short LoRA fine-tune; HARP is training-free. Here every point of one
+level (HARP, `harp-bi`, `harp-mean` and the chosen baselines, each at HARP's real parameter drop, as in 06 and 09) is
+measured before and after the same LoRA recovery (`heads.finetune.lora_finetune` through `peft`): the same steps,
+rank, learning rate, enwiki-train windows and seed for every method, merged back into the weights. Quality is
+measured against the original dense model on the same enwiki-test windows (KL, Δ NLL, top-1) and task items.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pandas as pd
+
+from ..checkpoints import load_model
+from ..compare.points import (
+    DENSE,
+    HARP_KINDS,
+    ModelRun,
+    build,
+    label,
+    level_points,
+    measure_points,
+    open_run,
+    settings_of,
+    task_items,
+    variants,
+)
+from ..compare.tables import frontier_table, versus_harp
+from ..data.corpora import ppl_windows
+from ..eval.fidelity import fidelity_windows
+from ..eval.stats import paired_table
+from ..heads.finetune import FinetuneSpec, lora_finetune
+from ..method.layers import quarter_depth
+from ..model.adapter import fingerprint
+from ..model.loading import model_info
+from ..report.params import StudyParams
+from ..report.parts import steps_summary, stored_part
+
+RECOVERED = " + LoRA"  # appended to a point's level after recovery
+SPEED_COLUMNS = ("speedup_2k", "speedup_8k", "kv_bytes_per_token")  # not measured here: recovery changes no shape
+
+
+@dataclass(frozen=True)
+class RecoveryParams(StudyParams):
+    """Notebook 10's parameters: the models and methods, the top N layers (0: quarter depth), tasks and items,
+    calibration and evaluation windows, and the one LoRA recovery every point gets (FT_*)."""
+
+    NOTEBOOK: ClassVar[str] = "10_recovery"
+    TYPES: ClassVar[dict] = {"LIMIT": int | dict}
+    models: list[str]
+    methods: list[str]
+    n_layers: int
+    tasks: list[str]
+    limit: int | dict
+    n_calib: int
+    calib_len: int
+    n_eval: int
+    eval_len: int
+    ft_steps: int
+    ft_lr: float
+    ft_rank: int
+    ft_windows: int
+    ft_len: int
+    seed: int
+    dtype: str
+    device: str
+    reuse_parts: bool
+
+    def check(self) -> None:
+        """Refuse bad values before any model loads."""
+        variants(self.methods)
+        self.finetune_spec()  # FinetuneSpec's own checks
+        if self.n_layers < 0 or self.ft_windows < 1 or self.ft_len < 2:
+            raise ValueError("N_LAYERS must be >= 0 (0: quarter depth), FT_WINDOWS >= 1 and FT_LEN >= 2")
+
+    def finetune_spec(self) -> FinetuneSpec:
+        """The LoRA recovery every point gets (alpha = 2 × rank, batch 1, the study's seed)."""
+        spec = FinetuneSpec(steps=self.ft_steps, lr=self.ft_lr, rank=self.ft_rank, alpha=2 * self.ft_rank,
+                            seed=self.seed)
+        return spec.checked()
+
+
+def _recovered(run: ModelRun, recipe: dict, windows, spec: FinetuneSpec) -> tuple[pd.DataFrame, list, dict]:
+    """One point pruned, recovered with LoRA and measured again: (fidelity per window, task items, training)."""
+    model, _ = build(run.dense, recipe, run.calib)
+    start = time.perf_counter()
+    trained = lora_finetune(model, windows, spec, progress=False)  # merged: the same parameters, new values
+    fid = fidelity_windows(run.dense, model, run.windows, ref_states=run.states, progress=False)
+    return fid, task_items(run, model, *run.tasks_for(recipe)), trained | {"seconds": time.perf_counter() - start}
+
+
+def _model_part(name: str, p: RecoveryParams) -> dict:
+    start = time.perf_counter()
+    dense, tok = load_model(name, dtype=p.dtype, device=p.device)
+    n = p.n_layers or quarter_depth(fingerprint(dense.config)["num_layers"])
+    run = open_run(name, dense, tok, p, lambda recipe: (p.tasks, p.limit))
+    recipes, plans, drop = level_points(run, variants(p.methods), n)
+    dense_items = run.step({"dense": p.tasks}, lambda: task_items(run, dense, p.tasks, p.limit))
+    rows, fids, items = measure_points(run, recipes)
+    # the fine-tuning windows: enwiki train, another sample than the calibration's (never the test split)
+    windows = ppl_windows(tok, "enwiki", "train", p.ft_windows, p.ft_len, p.seed + 1)
+    training = []
+    for recipe, row in zip(recipes, list(rows), strict=True):
+        fid, found, trained = run.step({"recovered": recipe, "spec": p.finetune_spec().to_dict()},
+                                       lambda r=recipe: _recovered(run, r, windows, p.finetune_spec()))
+        after = recipe["level"] + RECOVERED
+        rows.append(row | {"level": after})
+        fids.append(fid.assign(method=recipe["method"], scope=recipe["scope"], level=after))
+        items += [dict(model=name, method=recipe["method"], scope=recipe["scope"], level=after, **r) for r in found]
+        training.append(dict(model=name, method=label(recipe["method"], recipe["scope"]),
+                             **{k: v for k, v in trained.items() if not isinstance(v, list)},
+                             first_loss=trained["losses"][0], last_loss=trained["losses"][-1]))
+    runs = pd.DataFrame([{k: v for k, v in r.items() if k not in ("record", "alphas", "shape")} for r in rows])
+    return {"runs": runs.assign(model=name, **dict.fromkeys(SPEED_COLUMNS, float("nan"))),
+            "fidelity": pd.concat(fids, ignore_index=True).assign(model=name),
+            "items": pd.DataFrame([dict(model=name, method=DENSE, level="", **r) for r in dense_items] + items),
+            "training": pd.DataFrame(training),
+            "alphas": pd.DataFrame([dict(model=name, set=k, layer=i, alpha=a) for k, plan in plans.items()
+                                    for i, a in plan.items()]),
+            "info": model_info(dense) | {"steps": steps_summary(run.made), "n_layers": n, **drop,
+                                         "finetune": p.finetune_spec().to_dict()},
+            "seconds": dict(model=name, seconds=time.perf_counter() - start)}
+
+
+def recovery_study(p: RecoveryParams) -> dict:
+    """Every point of each model before and after the same LoRA recovery (see the module docstring), one stored
+    part per model (with REUSE_PARTS an interrupted run resumes at its first missing step).
+
+    Returns:
+        dict: runs (a row per point and stage: level "N=n" before, "N=n + LoRA" after), fidelity (per window), items
+        (task items, dense's under level ""), training (per point: steps, losses, seconds), alphas, infos, seconds.
+    """
+    p.check()
+    parts = []
+    for name in p.models:
+        part, made = stored_part(p.NOTEBOOK, {"model": name, **settings_of(p)}, lambda name=name: _model_part(name, p),
+                                 p.reuse_parts)
+        parts.append(part | {"info": part["info"] | {"part": made}})
+
+    def cat(key):
+        return pd.concat([part[key] for part in parts], ignore_index=True)
+    return {**{k: cat(k) for k in ("runs", "fidelity", "items", "training", "alphas")},
+            "infos": [part["info"] for part in parts], "seconds": pd.DataFrame([part["seconds"] for part in parts])}
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def study_tables(study: dict, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(every point's value with its interval before and after recovery, each point minus HARP at the same stage)."""
+    return frontier_table(study, seed), versus_harp(study, seed)
+
+
+def before_after(frontier: pd.DataFrame, metrics: tuple = ("kl", "lambada_openai", "arc_easy")) -> pd.DataFrame:
+    """The frontier rows of `metrics` for the pruned points, with `point` (the method's label) and `stage` (before or
+    after recovery): what the before/after figure draws."""
+    rows = frontier[frontier.metric.isin(metrics) & (frontier.method != DENSE)]
+    return rows.assign(point=[label(m, s) for m, s in zip(rows.method, rows.scope, strict=True)],
+                       stage=["after" if lvl.endswith(RECOVERED) else "before" for lvl in rows.level])
+
+
+def recovery_gains(study: dict, seed: int = 0) -> pd.DataFrame:
+    """Per model, point and metric: after − before recovery, paired on the same windows (KL, Δ NLL, top-1) or items
+    (tasks), with its 95 % interval and n."""
+    fid = study["fidelity"].assign(point=lambda d: [label(m, s) for m, s in zip(d.method, d.scope, strict=True)])
+    long = pd.concat([fid.assign(metric=m, value=fid[m]) for m in ("kl", "delta_nll", "top1_agreement")])
+    items = study["items"][study["items"].method != DENSE].fillna({"scope": ""})
+    items = items.assign(point=[label(m, s) for m, s in zip(items.method, items.scope, strict=True)],
+                         metric=items.task, value=items.correct, window=items.doc_id)
+    both = pd.concat([long, items], ignore_index=True)
+    both = both.assign(method=["after" if lvl.endswith(RECOVERED) else "before" for lvl in both.level])
+    return paired_table(both, "before", ["model", "point", "metric"], unit="window", value="value", seed=seed)
+
+
+def ranking(frontier: pd.DataFrame) -> pd.DataFrame:
+    """Per model, metric and stage: the points ordered best first (lowest KL and Δ NLL, highest accuracy), with
+    `harp_rank` (1 = best) and the HARP variants' places, to say whether recovery changes who is ahead."""
+    rows = []
+    data = frontier[(frontier.method != DENSE) & ~frontier.metric.str.contains("−")]
+    for (model, metric, level), part in data.groupby(["model", "metric", "level"], sort=False):
+        ascending = metric in ("kl", "delta_nll") or metric.endswith("_bpb")
+        order = part.sort_values("value", ascending=ascending)
+        names = [label(m, s) for m, s in zip(order.method, order.scope, strict=True)]
+        rows.append(dict(model=model, metric=metric, stage="after" if level.endswith(RECOVERED) else "before",
+                         order=" > ".join(names),
+                         **{f"{v}_rank": names.index(v) + 1 for v in HARP_KINDS if v in names}))
+    return pd.DataFrame(rows)
+
+
+def summarise_recovery(frontier: pd.DataFrame, gains: pd.DataFrame, study: dict) -> dict:
+    """Headline numbers: every point's value before and after, each recovery gain, and run times."""
+    out = {f"{r.model}/{label(r.method, r.scope)}/{r.level or 'dense'}/{r.metric}": float(r.value)
+           for r in frontier.itertuples()}
+    out |= {f"{r.model}/{r.point}/{r.metric}/gain": float(r.diff) for r in gains.itertuples()}
+    out |= {f"{r.model}/seconds": float(r.seconds) for r in study["seconds"].itertuples()}
+    return out

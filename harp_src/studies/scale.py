@@ -1,0 +1,249 @@
+"""Notebook 09: does the answer change with scale? Qwen2.5-Coder-1.5B in 06's decisive comparison (issue 29).
+
+Per model, at quarter depth (N top layers): HARP with α searched, `harp-bi` and `harp-mean`, and the chosen baselines
+each pruned to HARP's real parameter drop. Every point gets token-level fidelity on enwiki test (KL, Δ NLL, top-1
+agreement per window) and its measured prefill speed-up and KV bytes per token (each shape timed once, interleaved
+with dense). The expensive axes go where they decide: the tasks (LAMBADA, ARC-Easy) and the gold-answer bits per byte
+of GSM8K, HumanEval and MBPP run on dense, the points of TASK_METHODS and the baseline closest to dense on KL
+("best"); GSM8K exact-match generation (greedy, 5-shot) on dense and the points of GEN_METHODS.
+
+The scale table sets each model's HARP against dense and against the best baseline on each metric; the two smaller
+models' rows come from notebook 06's committed tables (`figures/06_frontier.csv`, `figures/06_vs_harp.csv`), the
+models run here from this study.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import pandas as pd
+
+from ..checkpoints import load_model
+from ..compare.points import (
+    DENSE,
+    HARP,
+    HARP_BI,
+    HARP_KINDS,
+    best_baseline,
+    check_named,
+    chosen_rows,
+    label,
+    level_points,
+    measure_points,
+    open_run,
+    run_table,
+    scored_points,
+    settings_of,
+    speeds,
+    variants,
+)
+from ..compare.tables import frontier_table, versus_harp
+from ..eval.tasks import task_scores
+from ..method.layers import quarter_depth
+from ..model.adapter import fingerprint
+from ..model.loading import model_info, param_count, require_installed
+from ..pruning.methods import UNSTRUCTURED
+from ..report.files import ROOT
+from ..report.params import StudyParams
+from ..report.parts import steps_summary, stored_part
+
+GEN_TASK = "gsm8k"
+GEN_SHOTS = 5  # lm-eval's GSM8K prompt: 5 worked examples
+SCALE_METRICS = {"kl": -1, "lambada_openai": 1, "arc_easy": 1, "gsm8k_gold_bpb": -1}  # sign: +1 higher is better
+SCALE_TITLES = {"kl": "enwiki KL to dense (lower is better)", "lambada_openai": "LAMBADA accuracy",
+                "arc_easy": "ARC-Easy accuracy", "gsm8k_gold_bpb": "GSM8K gold bits per byte (lower is better)"}
+BEST_REFERENCE = "best baseline"
+SCALE_COLUMNS = ["model", "params", "metric", "method", "reference", "diff", "ci_low", "ci_high", "n"]
+
+
+@dataclass(frozen=True)
+class ScaleParams(StudyParams):
+    """Notebook 09's parameters: the models, the baselines and HARP variants (METHODS, as in 06), the top N layers
+    (0: quarter depth), the tasks, gold-bpb tasks and generation items and which points get them, the windows, and
+    the timing."""
+
+    NOTEBOOK: ClassVar[str] = "09_scale"
+    TYPES: ClassVar[dict] = {"LIMIT": int | dict, "GOLD_LIMIT": int | dict, "TASK_METHODS": list[str],
+                             "GEN_METHODS": list[str], "GOLD_TASKS": list[str]}
+    models: list[str]
+    methods: list[str]
+    n_layers: int
+    tasks: list[str]
+    limit: int | dict
+    gold_tasks: list[str]
+    gold_limit: int | dict
+    task_methods: list[str]
+    gen_limit: int
+    gen_methods: list[str]
+    n_calib: int
+    calib_len: int
+    n_eval: int
+    eval_len: int
+    speed_lens: list[int]
+    speed_repeats: int
+    decode_steps: int
+    small_from: str
+    seed: int
+    dtype: str
+    device: str
+    reuse_parts: bool
+
+    def check(self) -> None:
+        """Refuse bad values, and models that are not installed, before any model loads."""
+        check_named("TASK_METHODS", self.task_methods, self.methods)
+        check_named("GEN_METHODS", self.gen_methods, self.methods)
+        if len(self.speed_lens) != 2 or min(self.speed_lens) < 2 or self.speed_lens[0] >= self.speed_lens[1]:
+            raise ValueError(f"SPEED_LENS must be two increasing prompt lengths, got {self.speed_lens}")
+        if self.n_layers < 0 or self.gen_limit < 0:
+            raise ValueError("N_LAYERS (0: quarter depth) and GEN_LIMIT (0: no generation) must be >= 0")
+        require_installed(self.models)
+
+
+def _no_tasks(recipe: dict) -> tuple[list[str], None]:
+    return [], None  # the points' tasks are a later step, once the best baseline is known
+
+
+def _model_part(name: str, p: ScaleParams) -> dict:
+    start = time.perf_counter()
+    dense, tok = load_model(name, dtype=p.dtype, device=p.device)
+    L = fingerprint(dense.config)["num_layers"]
+    n = p.n_layers or quarter_depth(L)
+    run = open_run(name, dense, tok, p, _no_tasks)
+    recipes, plans, drop = level_points(run, variants(p.methods), n)
+    rows, fids, _ = measure_points(run, recipes)
+    fidelity = pd.concat(fids, ignore_index=True).assign(model=name)
+    best = best_baseline(fidelity)
+    items = scored_points(run, chosen_rows(rows, p.task_methods, best), p.tasks + p.gold_tasks,
+                    {**_limits(p.limit, p.tasks), **_limits(p.gold_limit, p.gold_tasks)})
+    generated = scored_points(run, chosen_rows(rows, p.gen_methods, best), [GEN_TASK], p.gen_limit, GEN_SHOTS) \
+        if p.gen_limit else []
+    speed = speeds(run, rows)
+    dense_row = {"model": name, "method": DENSE, "scope": "", "level": "", "n_layers": 0, "budget_params": 0,
+                 "params_removed": 0, "weights_zeroed": 0, "shape": DENSE} | speed[DENSE]
+    return {"runs": pd.concat([pd.DataFrame([dense_row]), run_table(name, rows, speed)], ignore_index=True),
+            "fidelity": fidelity, "items": pd.DataFrame(items), "generation": pd.DataFrame(generated),
+            "alphas": pd.DataFrame([dict(model=name, set=k, layer=i, alpha=a) for k, plan in plans.items()
+                                    for i, a in plan.items()]),
+            "info": model_info(dense) | {"steps": steps_summary(run.made), "best_baseline": best,
+                                         "params": param_count(name), "n_layers": n, **drop},
+            "seconds": dict(model=name, seconds=time.perf_counter() - start)}
+
+
+def _limits(limit, tasks: list[str]) -> dict:
+    """{task: items} for `tasks` from one count or a {task: items} dict (a model-keyed dict is resolved later)."""
+    return limit if isinstance(limit, dict) else dict.fromkeys(tasks, limit)
+
+
+def scale_study(p: ScaleParams) -> dict:
+    """Each model of `p.models` at quarter depth (see the module docstring), one stored part per model (with
+    REUSE_PARTS an interrupted run resumes at its first missing step).
+
+    Returns:
+        dict: runs (a row per point: cost, speed-ups, KV bytes per token), fidelity (per window), items (task and
+        gold-bpb items), generation (GSM8K exact-match items), alphas, infos (provenance, best baseline, parameter
+        count, steps), seconds.
+    """
+    p.check()
+    parts = []
+    for name in p.models:
+        part, made = stored_part(p.NOTEBOOK, {"model": name, **settings_of(p)}, lambda name=name: _model_part(name, p),
+                                 p.reuse_parts)
+        parts.append(part | {"info": part["info"] | {"part": made}})
+
+    def cat(key):
+        return pd.concat([part[key] for part in parts], ignore_index=True)
+    return {**{k: cat(k) for k in ("runs", "fidelity", "items", "generation", "alphas")},
+            "infos": [part["info"] for part in parts], "seconds": pd.DataFrame([part["seconds"] for part in parts])}
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def study_tables(study: dict, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(frontier table, each point minus HARP) of this study, as 06 writes them."""
+    return frontier_table(study, seed), versus_harp(study, seed)
+
+
+def _versus_dense(frontier: pd.DataFrame, model: str, level: str, method: str, metric: str) -> dict | None:
+    """A point minus dense: KL is itself a divergence from dense; a task's paired "<task> − dense" row."""
+    name = metric if metric == "kl" else f"{metric} − dense"
+    hit = frontier[(frontier.model == model) & (frontier.level == level) & (frontier.method == method)
+                   & (frontier.metric == name)]
+    if hit.empty:
+        return None
+    r = hit.iloc[0]
+    return dict(reference=DENSE, diff=r.value, ci_low=r.ci_low, ci_high=r.ci_high, n=int(r.n), baseline="")
+
+
+def _versus_best(vs: pd.DataFrame, model: str, level: str, metric: str, sign: int) -> dict | None:
+    """HARP minus the best baseline on `metric`, paired: `vs` holds each point minus HARP, so this is minus the
+    best baseline's difference (the best: the most favourable point estimate among the structured baselines)."""
+    part = vs[(vs.model == model) & (vs.level == level) & (vs.metric == metric)
+              & ~vs.method.isin(HARP_KINDS + UNSTRUCTURED)]
+    if part.empty:
+        return None
+    best = part.loc[(part["diff"] * sign).idxmax()]
+    flip = (0.0 - best["diff"], 0.0 - best.ci_high, 0.0 - best.ci_low)  # 0.0 - x: no "-0" in the table
+    return dict(reference=BEST_REFERENCE, diff=flip[0], ci_low=flip[1], ci_high=flip[2], n=int(best.n),
+                baseline=best.method)
+
+
+def scale_table(frontier: pd.DataFrame, vs: pd.DataFrame, quarter: dict, params: dict) -> pd.DataFrame:
+    """figures/09_scale.csv: per model (its parameter count in `params`, its quarter-depth level in `quarter`) and
+    metric of SCALE_METRICS, HARP minus dense and HARP minus the best baseline on that metric (named in `baseline`),
+    with the paired 95 % interval and n. The best baseline is picked per metric by its point estimate."""
+    rows = []
+    for model, level in quarter.items():
+        for metric, sign in SCALE_METRICS.items():
+            for found in (_versus_dense(frontier, model, level, HARP, metric),
+                          _versus_best(vs, model, level, metric, sign)):
+                if found is not None:
+                    rows.append(dict(model=model, params=params[model], metric=metric, method=HARP) | found)
+    return pd.DataFrame(rows, columns=[*SCALE_COLUMNS, "baseline"])
+
+
+def smaller_models(folder: str | Path, measured: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """06's frontier and versus-HARP tables for the models not measured here, and each one's quarter-depth level
+    (the level that has harp-bi, which 06 measures at quarter depth only); empty where 06's frontier tables are not in
+    `folder` yet."""
+    folder = Path(folder)
+    if not ((folder / "06_frontier.csv").exists() and (folder / "06_vs_harp.csv").exists()):
+        return pd.DataFrame(), pd.DataFrame(), {}
+    frontier, vs = pd.read_csv(folder / "06_frontier.csv"), pd.read_csv(folder / "06_vs_harp.csv")
+    if "level" not in vs.columns:  # 06's tables from before its frontier (issue 27)
+        return pd.DataFrame(), pd.DataFrame(), {}
+    frontier, vs = frontier[~frontier.model.isin(measured)], vs[~vs.model.isin(measured)]
+    bi = frontier[frontier.method == HARP_BI].drop_duplicates("model")
+    return frontier.fillna({"scope": "", "level": ""}), vs, dict(zip(bi.model, bi.level, strict=True))
+
+
+def scale_rows(study: dict, p: ScaleParams, frontier: pd.DataFrame, vs: pd.DataFrame) -> pd.DataFrame:
+    """figures/09_scale.csv (see scale_table): the models run here from this study's tables, the smaller ones from
+    notebook 06's tables in SMALL_FROM (relative to the repository root unless absolute)."""
+    small_f, small_vs, quarter = smaller_models(ROOT / p.small_from, p.models)
+    quarter |= {name: f"N={info['n_layers']}" for name, info in zip(p.models, study["infos"], strict=True)}
+    return scale_table(pd.concat([frontier, small_f], ignore_index=True), pd.concat([vs, small_vs], ignore_index=True),
+                       quarter, {name: param_count(name) for name in quarter})
+
+
+def summarise_scale(scale: pd.DataFrame, frontier: pd.DataFrame, study: dict) -> dict:
+    """Headline numbers: every scale row, every point's value, each model's best baseline and run time."""
+    out = {f"{r.model}/{r.metric}/harp − {r.reference}": float(r.diff) for r in scale.itertuples()}
+    out |= {f"{r.model}/{label(r.method, r.scope)}/{r.metric}": float(r.value) for r in frontier.itertuples()}
+    for info in study["infos"]:
+        out[f"{info['model_id']}/best_baseline"] = info["best_baseline"]
+    out |= {f"{r.model}/seconds": float(r.seconds) for r in study["seconds"].itertuples()}
+    return out
+
+
+def generation_scores(study: dict, seed: int = 0) -> pd.DataFrame:
+    """GSM8K exact match per model and point with its 95 % interval and n, and `reportable`: dense scores above 0
+    with its interval (a score where dense cannot solve any item says nothing about pruning)."""
+    gen = study["generation"]
+    if gen.empty:
+        return pd.DataFrame()
+    scores = task_scores(gen.assign(method=[label(m, s) if m != DENSE else DENSE
+                                            for m, s in zip(gen.method, gen.scope, strict=True)]), seed)
+    dense_low = scores[scores.method == DENSE].set_index("model").ci_low
+    return scores.assign(reportable=[bool(dense_low.get(m, 0) > 0) for m in scores.model])

@@ -1,0 +1,120 @@
+"""Notebook 09's study (issue 29): its refusals before any model loads, the best baseline, and the scale table's
+differences against dense and against the best baseline, on hand-made tables whose answers are known."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from harp_src.compare.points import settings_of
+from harp_src.model import loading
+from harp_src.model.loading import PACKAGED, param_count, require_installed
+from harp_src.studies.frontier import FrontierParams
+from harp_src.studies.scale import (
+    BEST_REFERENCE,
+    SCALE_COLUMNS,
+    ScaleParams,
+    best_baseline,
+    scale_table,
+    smaller_models,
+)
+
+
+def test_a_missing_setup_full_model_is_refused_naming_make_setup_full(monkeypatch):
+    monkeypatch.setattr(loading.Packaged, "missing", lambda self: list(self.packages) if "qwen" in self.name else [])
+    with pytest.raises(ModuleNotFoundError, match=r"qwen2\.5-coder-1\.5b.*run `make setup-full` first"):
+        require_installed(["smollm2-135m", "qwen2.5-coder-1.5b"])
+    with pytest.raises(ModuleNotFoundError, match="make setup-full"):  # in the study's check, before any model loads
+        ScaleParams.defaults(MODELS=["qwen2.5-coder-1.5b"]).check()
+    require_installed(["smollm2-135m", "some/hub-id", "/a/local/folder"])  # only packaged names are checked
+
+
+@pytest.mark.parametrize(("name", "value", "match"), [
+    ("TASK_METHODS", ["harp", "llm-pruner"], "TASK_METHODS names 'llm-pruner', which is not measured"),
+    ("GEN_METHODS", ["nonsense"], "GEN_METHODS names 'nonsense'"),
+    ("METHODS", ["flap:heads"], "method 'flap' has no scope 'heads'"),
+    ("SPEED_LENS", [128, 64], "SPEED_LENS must be two increasing"),
+    ("N_LAYERS", -1, "N_LAYERS"),
+])
+def test_bad_parameters_are_one_clear_error(name, value, match):
+    with pytest.raises(ValueError, match=match):
+        ScaleParams.defaults(**{name: value}).check()
+
+
+def test_param_count_reads_the_config_only():
+    assert param_count("smollm2-135m") == 134515008  # SmolLM2-135M with its tied embedding counted once
+    assert PACKAGED["qwen2.5-coder-1.5b"].make == "make setup-full" and PACKAGED["smollm2-135m"].make == "make setup"
+
+
+def test_best_baseline_is_the_lowest_mean_kl_and_never_a_harp_variant():
+    fid = pd.DataFrame({"method": ["harp", "harp", "harp-mean", "flap", "flap", "shortgpt", "shortgpt"],
+                        "scope": ["attention", "attention", "attention", "mlp", "mlp", "blocks", "blocks"],
+                        "kl": [0.01, 0.01, 0.001, 0.2, 0.4, 0.25, 0.3]})
+    assert best_baseline(fid) == "shortgpt"  # mean KL 0.275 against flap's 0.3; harp-mean's 0.001 is not a baseline
+    fid.loc[4, "kl"] = 0.2
+    assert best_baseline(fid) == "flap [mlp]"
+    wanda = pd.DataFrame({"method": ["wanda"], "scope": ["linear"], "kl": [0.0001]})
+    assert best_baseline(pd.concat([fid, wanda])) == "flap [mlp]"  # unstructured: removes no parameter
+
+
+def tables():
+    frontier = pd.DataFrame([
+        dict(model="m", method="harp", scope="attention", level="N=2", metric="kl", value=0.5, ci_low=0.4,
+             ci_high=0.6, n=16),
+        dict(model="m", method="harp", scope="attention", level="N=2", metric="lambada_openai − dense", value=-0.2,
+             ci_low=-0.25, ci_high=-0.15, n=300),
+        dict(model="m", method="harp", scope="attention", level="N=1", metric="kl", value=9.0, ci_low=8.0,
+             ci_high=10.0, n=16),  # another level: never read
+    ])
+    vs = pd.DataFrame([  # each point minus HARP
+        dict(model="m", level="N=2", metric="kl", method="flap [mlp]", diff=-0.3, ci_low=-0.35, ci_high=-0.25, n=16),
+        dict(model="m", level="N=2", metric="kl", method="shortgpt", diff=0.1, ci_low=0.0, ci_high=0.2, n=16),
+        dict(model="m", level="N=2", metric="kl", method="harp-mean", diff=-0.45, ci_low=-0.5, ci_high=-0.4, n=16),
+        dict(model="m", level="N=2", metric="kl", method="wanda", diff=-0.9, ci_low=-1.0, ci_high=-0.8, n=16),
+        dict(model="m", level="N=2", metric="lambada_openai", method="flap [mlp]", diff=0.05, ci_low=-0.01,
+             ci_high=0.11, n=300),
+        dict(model="m", level="N=2", metric="lambada_openai", method="shortgpt", diff=0.12, ci_low=0.06,
+             ci_high=0.18, n=300),
+    ])
+    return frontier, vs
+
+
+def test_scale_table_sets_harp_against_dense_and_the_best_baseline_per_metric():
+    frontier, vs = tables()
+    S = scale_table(frontier, vs, {"m": "N=2"}, {"m": 1000})
+    assert list(S.columns[: len(SCALE_COLUMNS)]) == SCALE_COLUMNS
+    got = {(r.metric, r.reference): r for r in S.itertuples()}
+    assert set(got) == {("kl", "dense"), ("kl", BEST_REFERENCE), ("lambada_openai", "dense"),
+                        ("lambada_openai", BEST_REFERENCE)}
+    kl_dense = got["kl", "dense"]
+    assert (kl_dense.diff, kl_dense.ci_low, kl_dense.ci_high, kl_dense.n) == (0.5, 0.4, 0.6, 16)
+    kl_best = got["kl", BEST_REFERENCE]  # flap: lowest KL among structured baselines (not harp-mean, not wanda)
+    assert kl_best.baseline == "flap [mlp]" and math.isclose(kl_best.diff, 0.3)
+    assert (kl_best.ci_low, kl_best.ci_high) == (0.25, 0.35)  # HARP − flap: the interval flips with the sign
+    lam_best = got["lambada_openai", BEST_REFERENCE]  # higher is better: shortgpt's +0.12
+    assert lam_best.baseline == "shortgpt" and math.isclose(lam_best.diff, -0.12)
+    assert (lam_best.ci_low, lam_best.ci_high) == (-0.18, -0.06)
+    assert (S.params == 1000).all() and (S.method == "harp").all()
+
+
+def test_smaller_models_are_empty_until_06_has_its_frontier_tables(tmp_path):
+    frontier, vs = smaller_models(tmp_path, ["qwen"])[:2]
+    assert frontier.empty and vs.empty
+    f, v = tables()
+    f = pd.concat([f, f.iloc[:1].assign(method="harp-bi")])
+    f.to_csv(tmp_path / "06_frontier.csv", index=False)
+    v.to_csv(tmp_path / "06_vs_harp.csv", index=False)
+    frontier, vs, quarter = smaller_models(tmp_path, ["qwen"])
+    assert quarter == {"m": "N=2"} and len(frontier) == 4 and len(vs) == 6
+    assert smaller_models(tmp_path, ["m"])[2] == {}  # a model measured here is not read from 06
+
+
+def test_gold_parameters_key_only_the_gold_parts():
+    """06's gold-bpb parameters are left out of its main parts' and steps' keys, so adding them (issue 29) reused
+    every stored step of a long run; the gold parts' keys hold them."""
+    p, q = FrontierParams.defaults(), FrontierParams.defaults(GOLD_LIMIT=7, GOLD_TASKS=["mbpp_gold_bpb"])
+    assert settings_of(p, exempt=True) == settings_of(q, exempt=True)
+    assert not set(FrontierParams.EXEMPT) & set(settings_of(p, exempt=True))
+    assert settings_of(p) != settings_of(q)
+    with pytest.raises(ValueError, match="GOLD_METHODS names 'nope'"):
+        FrontierParams.defaults(GOLD_METHODS=["nope"]).check()
