@@ -42,6 +42,8 @@ def recovered(model):
     ("gemma3", lambda m: apply_harp(m, list(ALPHAS), ALPHAS)),  # α folded after Gemma's post-attention norm
     ("qwen2", lambda m: apply_harp(m, list(ALPHAS), ALPHAS, bypass="mean")),
     ("llama", lambda m: prune(m, "flap", 20_000, windows(4, 16, seed=2), "mlp", progress=False)),
+    ("qwen2", lambda m: prune(m, "llm-pruner", 20_000, windows(4, 16, seed=2), "mlp", progress=False)),
+    ("llama", lambda m: prune(m, "attn-drop-sim", 20_000, windows(4, 16, seed=2), progress=False)),  # no q/k/v left
 ])
 def test_a_recovered_model_saves_and_reloads_exactly(family, prune_it, tokenizer, tmp_path):
     model = make_tiny(family)

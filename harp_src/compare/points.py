@@ -27,7 +27,7 @@ from ..model.adapter import fingerprint
 from ..model.weights import n_params
 from ..pruning.methods import METHODS, SCOPES, UNSTRUCTURED
 from ..pruning.prune import prune
-from ..report.parts import stored_step
+from ..report.parts import stored_part, stored_step
 
 DENSE, HARP, HARP_BI, HARP_MEAN, PAPER = "dense", "harp", "harp-bi", "harp-mean", "paper"
 HARP_KINDS = (HARP, HARP_BI, HARP_MEAN)  # the bypass variants; HARP itself is always measured
@@ -105,12 +105,13 @@ class ModelRun:
         return stored_step(self.params.NOTEBOOK, key, compute, self.params.reuse_parts, self.made)
 
 
-def open_run(name: str, dense, tok, params, tasks_for: Callable) -> ModelRun:
+def open_run(name: str, dense, tok, params, tasks_for: Callable, states: bool = True) -> ModelRun:
     """A model's run: calibration windows (n_calib × calib_len enwiki-train tokens), evaluation windows (n_eval ×
-    eval_len enwiki-test tokens) and the dense model's final states on them."""
+    eval_len enwiki-test tokens) and, with `states`, the dense model's final states on them (for fidelity)."""
     calib = ppl_windows(tok, "enwiki", "train", params.n_calib, params.calib_len, params.seed)
     windows = ppl_windows(tok, "enwiki", "test", params.n_eval, params.eval_len, params.seed)
-    return ModelRun(name, dense, tok, calib, windows, reference_states(dense, windows), params, tasks_for)
+    return ModelRun(name, dense, tok, calib, windows, reference_states(dense, windows) if states else [], params,
+                    tasks_for)
 
 
 # ---------------------------------------------------------------------------------------------- what is pruned
@@ -208,8 +209,10 @@ def measure_points(run: ModelRun, recipes: list[dict]) -> tuple[list, list, list
 
 def best_baseline(fidelity: pd.DataFrame) -> str:
     """The label of the structured baseline (neither a HARP variant nor unstructured Wanda, which removes no
-    parameter) with the lowest mean enwiki KL."""
+    parameter) with the lowest mean enwiki KL; "" when none was measured."""
     fid = fidelity[~fidelity.method.isin(HARP_KINDS + UNSTRUCTURED)]
+    if fid.empty:
+        return ""  # no structured baseline measured: `best` names no point
     means = fid.assign(point=[label(m, s) for m, s in zip(fid.method, fid.scope, strict=True)]).groupby("point").kl
     return str(means.mean().idxmin())
 
@@ -270,3 +273,15 @@ def speed_row(fast: dict, slow: dict, long: int) -> dict:
     return {"speedup_2k": fast["prefill_speedup"], "speedup_8k": slow["prefill_speedup"],
             "decode_speedup_8k": slow["decode_speedup"], "decode_tokens_per_s_8k": slow["decode_tokens_per_s"],
             "kv_bytes_per_token": slow["kv_bytes"] / long}
+
+
+def model_parts(params, compute: Callable[[str], dict], tables: tuple[str, ...]) -> dict:
+    """Each model's part, `compute(name)`, stored under the study's parameters (reused with REUSE_PARTS), and joined:
+    the `tables` concatenated, infos (with each part's provenance) and seconds."""
+    parts = []
+    for name in params.models:
+        part, made = stored_part(params.NOTEBOOK, {"model": name, **settings_of(params)},
+                                 lambda name=name: compute(name), params.reuse_parts)
+        parts.append(part | {"info": part["info"] | {"part": made}})
+    return {**{k: pd.concat([part[k] for part in parts], ignore_index=True) for k in tables},
+            "infos": [part["info"] for part in parts], "seconds": pd.DataFrame([part["seconds"] for part in parts])}

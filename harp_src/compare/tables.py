@@ -33,14 +33,14 @@ def frontier_table(study: dict, seed: int = 0) -> pd.DataFrame:
             value, low, high = mean_ci(part[metric].to_numpy(), seed)
             rows.append(dict(zip(keys, key, strict=True), metric=metric, value=value, ci_low=low, ci_high=high,
                              n=len(part)))
-    items = items.fillna({"scope": ""})
+    items = items.fillna({"scope": ""}) if len(items) else pd.DataFrame(columns=[*keys, "task", "correct", "doc_id"])
     for key, part in items.groupby([*keys, "task"], sort=False):
         value, low, high = mean_ci(part.correct.to_numpy(), seed)
         rows.append(dict(zip(keys, key[:4], strict=True), metric=key[4], value=value, ci_low=low, ci_high=high,
                          n=len(part)))
     point = items.method + "|" + items.scope + "|" + items.level  # one name per point, to pair with dense
     diffs = paired_table(items.assign(method=point.where(items.method != DENSE, DENSE)), DENSE, ["model", "task"],
-                         seed=seed)
+                         seed=seed) if len(items) else pd.DataFrame()
     for r in diffs.itertuples():
         method, scope, level = r.method.split("|")
         rows.append(dict(model=r.model, method=method, scope=scope, level=level, metric=f"{r.task} − dense",
@@ -99,3 +99,8 @@ def mean_versus_identity(study: dict, vs: pd.DataFrame) -> pd.DataFrame:
     speed.columns = [f"{method} {stat}" for stat, method in speed.columns]
     keep = ["model", "level", "metric", "diff", "ci_low", "ci_high", "n", "decided"]
     return d[keep].merge(speed.reset_index(), on=["model", "level"], how="left")
+
+
+def point_tables(study: dict, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(frontier_table, versus_harp) of a study: every point's values with intervals, each point minus HARP."""
+    return frontier_table(study, seed), versus_harp(study, seed)

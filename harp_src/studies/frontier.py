@@ -96,7 +96,8 @@ class FrontierParams(StudyParams):
     def check(self) -> None:
         """Refuse bad values before any model loads."""
         variants(self.methods)
-        check_named("GOLD_METHODS", self.gold_methods, self.methods)
+        if self.gold_tasks:
+            check_named("GOLD_METHODS", self.gold_methods, self.methods)
         if len(self.speed_lens) != 2 or min(self.speed_lens) < 2 or self.speed_lens[0] >= self.speed_lens[1]:
             raise ValueError(f"SPEED_LENS must be two increasing prompt lengths (the 2k and 8k of the CSV), got "
                              f"{self.speed_lens}")
@@ -144,11 +145,11 @@ def _plans(run: ModelRun, levels: list[int], quarter: int) -> dict:
     return top_plans(run, levels) | {HARP_BI: bi_plan(run, quarter)}
 
 
-def _setup(name: str, p: FrontierParams) -> tuple[ModelRun, list[int], int]:
-    """The model's run (dense model, windows, dense states), its levels and its quarter depth."""
+def _setup(name: str, p: FrontierParams, states: bool = True) -> tuple[ModelRun, list[int], int]:
+    """The model's run (dense model, windows, with `states` the dense states), its levels and its quarter depth."""
     dense, tok = load_model(name, dtype=p.dtype, device=p.device)
     quarter = quarter_depth(fingerprint(dense.config)["num_layers"])
-    run = open_run(name, dense, tok, p, _tasks_for(p, quarter))
+    run = open_run(name, dense, tok, p, _tasks_for(p, quarter), states)
     return run, sorted(set(levels_for(p.levels, name)) | {quarter}), quarter
 
 
@@ -178,7 +179,7 @@ def _gold_part(name: str, p: FrontierParams, part: dict) -> dict:
     """Gold-answer bits per byte (GOLD_TASKS) on dense and the quarter-depth points of GOLD_METHODS, each point and
     task set a stored step; a part of its own, so adding it reused the finished main and harp-mean parts."""
     start = time.perf_counter()
-    run, _, quarter = _setup(name, p)
+    run, _, quarter = _setup(name, p, states=False)  # no fidelity here: the dense states are not needed
     items = scored_points(run, _gold_rows(run, part, f"N={quarter}"), p.gold_tasks, p.gold_limit)
     return {"items": pd.DataFrame(items), "steps": steps_summary(run.made),
             "seconds": time.perf_counter() - start}

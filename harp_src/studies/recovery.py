@@ -24,12 +24,11 @@ from ..compare.points import (
     label,
     level_points,
     measure_points,
+    model_parts,
     open_run,
-    settings_of,
     task_items,
     variants,
 )
-from ..compare.tables import frontier_table, versus_harp
 from ..data.corpora import ppl_windows
 from ..eval.fidelity import fidelity_windows
 from ..eval.stats import paired_table
@@ -38,7 +37,7 @@ from ..method.layers import quarter_depth
 from ..model.adapter import fingerprint
 from ..model.loading import model_info
 from ..report.params import StudyParams
-from ..report.parts import steps_summary, stored_part
+from ..report.parts import steps_summary
 
 RECOVERED = " + LoRA"  # appended to a point's level after recovery
 SPEED_COLUMNS = ("speedup_2k", "speedup_8k", "kv_bytes_per_token")  # not measured here: recovery changes no shape
@@ -101,7 +100,8 @@ def _model_part(name: str, p: RecoveryParams) -> dict:
     recipes, plans, drop = level_points(run, variants(p.methods), n)
     dense_items = run.step({"dense": p.tasks}, lambda: task_items(run, dense, p.tasks, p.limit))
     rows, fids, items = measure_points(run, recipes)
-    # the fine-tuning windows: enwiki train, another sample than the calibration's (never the test split)
+    # the fine-tuning windows: a second enwiki-train sample (seed + 1; it may share text with the calibration sample,
+    # both are train), never the test split
     windows = ppl_windows(tok, "enwiki", "train", p.ft_windows, p.ft_len, p.seed + 1)
     training = []
     for recipe, row in zip(recipes, list(rows), strict=True):
@@ -135,24 +135,10 @@ def recovery_study(p: RecoveryParams) -> dict:
         (task items, dense's under level ""), training (per point: steps, losses, seconds), alphas, infos, seconds.
     """
     p.check()
-    parts = []
-    for name in p.models:
-        part, made = stored_part(p.NOTEBOOK, {"model": name, **settings_of(p)}, lambda name=name: _model_part(name, p),
-                                 p.reuse_parts)
-        parts.append(part | {"info": part["info"] | {"part": made}})
-
-    def cat(key):
-        return pd.concat([part[key] for part in parts], ignore_index=True)
-    return {**{k: cat(k) for k in ("runs", "fidelity", "items", "training", "alphas")},
-            "infos": [part["info"] for part in parts], "seconds": pd.DataFrame([part["seconds"] for part in parts])}
+    return model_parts(p, lambda name: _model_part(name, p), ("runs", "fidelity", "items", "training", "alphas"))
 
 
 # ---------------------------------------------------------------------------------------------- tables
-def study_tables(study: dict, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(every point's value with its interval before and after recovery, each point minus HARP at the same stage)."""
-    return frontier_table(study, seed), versus_harp(study, seed)
-
-
 def before_after(frontier: pd.DataFrame, metrics: tuple = ("kl", "lambada_openai", "arc_easy")) -> pd.DataFrame:
     """The frontier rows of `metrics` for the pruned points, with `point` (the method's label) and `stage` (before or
     after recovery): what the before/after figure draws."""

@@ -15,6 +15,7 @@ models run here from this study.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -25,7 +26,6 @@ from ..checkpoints import load_model
 from ..compare.points import (
     DENSE,
     HARP,
-    HARP_BI,
     HARP_KINDS,
     best_baseline,
     check_named,
@@ -33,28 +33,29 @@ from ..compare.points import (
     label,
     level_points,
     measure_points,
+    model_parts,
     open_run,
     run_table,
     scored_points,
-    settings_of,
     speeds,
     variants,
 )
-from ..compare.tables import frontier_table, versus_harp
-from ..eval.tasks import task_scores
+from ..eval.stats import paired_table
+from ..eval.tasks import limits_for, task_scores
 from ..method.layers import quarter_depth
 from ..model.adapter import fingerprint
 from ..model.loading import model_info, param_count, require_installed
 from ..pruning.methods import UNSTRUCTURED
 from ..report.files import ROOT
 from ..report.params import StudyParams
-from ..report.parts import steps_summary, stored_part
+from ..report.parts import steps_summary
 
 GEN_TASK = "gsm8k"
 GEN_SHOTS = 5  # lm-eval's GSM8K prompt: 5 worked examples
-SCALE_METRICS = {"kl": -1, "lambada_openai": 1, "arc_easy": 1, "gsm8k_gold_bpb": -1}  # sign: +1 higher is better
+SCALE_METRICS = ("kl", "lambada_openai", "arc_easy", "gsm8k_gold_bpb", "humaneval_gold_bpb")
 SCALE_TITLES = {"kl": "enwiki KL to dense (lower is better)", "lambada_openai": "LAMBADA accuracy",
-                "arc_easy": "ARC-Easy accuracy", "gsm8k_gold_bpb": "GSM8K gold bits per byte (lower is better)"}
+                "arc_easy": "ARC-Easy accuracy", "gsm8k_gold_bpb": "GSM8K gold bits per byte (lower is better)",
+                "humaneval_gold_bpb": "HumanEval gold bits per byte (lower is better)"}
 BEST_REFERENCE = "best baseline"
 SCALE_COLUMNS = ["model", "params", "metric", "method", "reference", "diff", "ci_low", "ci_high", "n"]
 
@@ -68,6 +69,10 @@ class ScaleParams(StudyParams):
     NOTEBOOK: ClassVar[str] = "09_scale"
     TYPES: ClassVar[dict] = {"LIMIT": int | dict, "GOLD_LIMIT": int | dict, "TASK_METHODS": list[str],
                              "GEN_METHODS": list[str], "GOLD_TASKS": list[str]}
+    # read only by the scoring steps (whose keys name their tasks, limit, shots and point) and the tables: changing
+    # one keeps the stored searches, points and timings of a run
+    EXEMPT: ClassVar[tuple] = ("tasks", "limit", "gold_tasks", "gold_limit", "task_methods", "gen_limit",
+                               "gen_methods", "small_from")
     models: list[str]
     methods: list[str]
     n_layers: int
@@ -116,8 +121,8 @@ def _model_part(name: str, p: ScaleParams) -> dict:
     rows, fids, _ = measure_points(run, recipes)
     fidelity = pd.concat(fids, ignore_index=True).assign(model=name)
     best = best_baseline(fidelity)
-    items = scored_points(run, chosen_rows(rows, p.task_methods, best), p.tasks + p.gold_tasks,
-                    {**_limits(p.limit, p.tasks), **_limits(p.gold_limit, p.gold_tasks)})
+    limits = {**_limits(limits_for(p.limit, name), p.tasks), **_limits(limits_for(p.gold_limit, name), p.gold_tasks)}
+    items = scored_points(run, chosen_rows(rows, p.task_methods, best), p.tasks + p.gold_tasks, limits)
     generated = scored_points(run, chosen_rows(rows, p.gen_methods, best), [GEN_TASK], p.gen_limit, GEN_SHOTS) \
         if p.gen_limit else []
     speed = speeds(run, rows)
@@ -127,13 +132,13 @@ def _model_part(name: str, p: ScaleParams) -> dict:
             "fidelity": fidelity, "items": pd.DataFrame(items), "generation": pd.DataFrame(generated),
             "alphas": pd.DataFrame([dict(model=name, set=k, layer=i, alpha=a) for k, plan in plans.items()
                                     for i, a in plan.items()]),
-            "info": model_info(dense) | {"steps": steps_summary(run.made), "best_baseline": best,
+            "info": model_info(dense) | {"model": name, "steps": steps_summary(run.made), "best_baseline": best,
                                          "params": param_count(name), "n_layers": n, **drop},
             "seconds": dict(model=name, seconds=time.perf_counter() - start)}
 
 
 def _limits(limit, tasks: list[str]) -> dict:
-    """{task: items} for `tasks` from one count or a {task: items} dict (a model-keyed dict is resolved later)."""
+    """{task: items} for `tasks` from one count or a {task: items} dict (a model's entry, already resolved)."""
     return limit if isinstance(limit, dict) else dict.fromkeys(tasks, limit)
 
 
@@ -147,24 +152,10 @@ def scale_study(p: ScaleParams) -> dict:
         count, steps), seconds.
     """
     p.check()
-    parts = []
-    for name in p.models:
-        part, made = stored_part(p.NOTEBOOK, {"model": name, **settings_of(p)}, lambda name=name: _model_part(name, p),
-                                 p.reuse_parts)
-        parts.append(part | {"info": part["info"] | {"part": made}})
-
-    def cat(key):
-        return pd.concat([part[key] for part in parts], ignore_index=True)
-    return {**{k: cat(k) for k in ("runs", "fidelity", "items", "generation", "alphas")},
-            "infos": [part["info"] for part in parts], "seconds": pd.DataFrame([part["seconds"] for part in parts])}
+    return model_parts(p, lambda name: _model_part(name, p), ("runs", "fidelity", "items", "generation", "alphas"))
 
 
 # ---------------------------------------------------------------------------------------------- tables
-def study_tables(study: dict, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(frontier table, each point minus HARP) of this study, as 06 writes them."""
-    return frontier_table(study, seed), versus_harp(study, seed)
-
-
 def _versus_dense(frontier: pd.DataFrame, model: str, level: str, method: str, metric: str) -> dict | None:
     """A point minus dense: KL is itself a divergence from dense; a task's paired "<task> − dense" row."""
     name = metric if metric == "kl" else f"{metric} − dense"
@@ -176,28 +167,35 @@ def _versus_dense(frontier: pd.DataFrame, model: str, level: str, method: str, m
     return dict(reference=DENSE, diff=r.value, ci_low=r.ci_low, ci_high=r.ci_high, n=int(r.n), baseline="")
 
 
-def _versus_best(vs: pd.DataFrame, model: str, level: str, metric: str, sign: int) -> dict | None:
-    """HARP minus the best baseline on `metric`, paired: `vs` holds each point minus HARP, so this is minus the
-    best baseline's difference (the best: the most favourable point estimate among the structured baselines)."""
-    part = vs[(vs.model == model) & (vs.level == level) & (vs.metric == metric)
-              & ~vs.method.isin(HARP_KINDS + UNSTRUCTURED)]
-    if part.empty:
+def kl_best(vs: pd.DataFrame, model: str, level: str) -> str:
+    """The structured baseline (not a HARP variant, not unstructured Wanda) closest to dense on enwiki KL at `level`:
+    the lowest paired KL difference from HARP. The one rule for every model's best baseline (a per-metric maximum
+    over many baselines would favour the baselines); "" when none was measured."""
+    kl = vs[(vs.model == model) & (vs.level == level) & (vs.metric == "kl")
+            & ~vs.method.isin(HARP_KINDS + UNSTRUCTURED)]
+    return "" if kl.empty else str(kl.loc[kl["diff"].idxmin()].method)
+
+
+def _versus_best(vs: pd.DataFrame, model: str, level: str, metric: str) -> dict | None:
+    """HARP minus the best baseline (kl_best) on `metric`, paired: `vs` holds each point minus HARP, so this is
+    minus that baseline's difference, its interval flipped."""
+    best = kl_best(vs, model, level)
+    hit = vs[(vs.model == model) & (vs.level == level) & (vs.metric == metric) & (vs.method == best)]
+    if hit.empty:
         return None
-    best = part.loc[(part["diff"] * sign).idxmax()]
-    flip = (0.0 - best["diff"], 0.0 - best.ci_high, 0.0 - best.ci_low)  # 0.0 - x: no "-0" in the table
-    return dict(reference=BEST_REFERENCE, diff=flip[0], ci_low=flip[1], ci_high=flip[2], n=int(best.n),
-                baseline=best.method)
+    r = hit.iloc[0]
+    flip = (0.0 - r["diff"], 0.0 - r.ci_high, 0.0 - r.ci_low)  # 0.0 - x: no "-0" in the table
+    return dict(reference=BEST_REFERENCE, diff=flip[0], ci_low=flip[1], ci_high=flip[2], n=int(r.n), baseline=best)
 
 
 def scale_table(frontier: pd.DataFrame, vs: pd.DataFrame, quarter: dict, params: dict) -> pd.DataFrame:
     """figures/09_scale.csv: per model (its parameter count in `params`, its quarter-depth level in `quarter`) and
-    metric of SCALE_METRICS, HARP minus dense and HARP minus the best baseline on that metric (named in `baseline`),
-    with the paired 95 % interval and n. The best baseline is picked per metric by its point estimate."""
+    metric of SCALE_METRICS, HARP minus dense and HARP minus the best baseline (named in `baseline`: for every model
+    and metric, the structured baseline closest to dense on KL, see kl_best), with the paired 95 % interval and n."""
     rows = []
     for model, level in quarter.items():
-        for metric, sign in SCALE_METRICS.items():
-            for found in (_versus_dense(frontier, model, level, HARP, metric),
-                          _versus_best(vs, model, level, metric, sign)):
+        for metric in SCALE_METRICS:
+            for found in (_versus_dense(frontier, model, level, HARP, metric), _versus_best(vs, model, level, metric)):
                 if found is not None:
                     rows.append(dict(model=model, params=params[model], metric=metric, method=HARP) | found)
     return pd.DataFrame(rows, columns=[*SCALE_COLUMNS, "baseline"])
@@ -205,23 +203,28 @@ def scale_table(frontier: pd.DataFrame, vs: pd.DataFrame, quarter: dict, params:
 
 def smaller_models(folder: str | Path, measured: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """06's frontier and versus-HARP tables for the models not measured here, and each one's quarter-depth level
-    (the level that has harp-bi, which 06 measures at quarter depth only); empty where 06's frontier tables are not in
-    `folder` yet."""
+    (HARP's level with the most metrics: 06 runs its main tasks and gold bpb there only); empty where 06's frontier
+    tables are not in `folder` yet."""
     folder = Path(folder)
     if not ((folder / "06_frontier.csv").exists() and (folder / "06_vs_harp.csv").exists()):
         return pd.DataFrame(), pd.DataFrame(), {}
     frontier, vs = pd.read_csv(folder / "06_frontier.csv"), pd.read_csv(folder / "06_vs_harp.csv")
     if "level" not in vs.columns:  # 06's tables from before its frontier (issue 27)
         return pd.DataFrame(), pd.DataFrame(), {}
-    frontier, vs = frontier[~frontier.model.isin(measured)], vs[~vs.model.isin(measured)]
-    bi = frontier[frontier.method == HARP_BI].drop_duplicates("model")
-    return frontier.fillna({"scope": "", "level": ""}), vs, dict(zip(bi.model, bi.level, strict=True))
+    frontier = frontier[~frontier.model.isin(measured)].fillna({"scope": "", "level": ""})
+    harp = frontier[(frontier.method == HARP) & frontier.level.str.startswith("N=")]
+    counts = harp.groupby(["model", "level"]).metric.nunique().reset_index().sort_values("metric")
+    quarter = {r.model: r.level for r in counts.drop_duplicates("model", keep="last").itertuples()}
+    return frontier, vs[~vs.model.isin(measured)], quarter
 
 
 def scale_rows(study: dict, p: ScaleParams, frontier: pd.DataFrame, vs: pd.DataFrame) -> pd.DataFrame:
     """figures/09_scale.csv (see scale_table): the models run here from this study's tables, the smaller ones from
     notebook 06's tables in SMALL_FROM (relative to the repository root unless absolute)."""
     small_f, small_vs, quarter = smaller_models(ROOT / p.small_from, p.models)
+    if not quarter:
+        warnings.warn(f"notebook 06's frontier tables are not in {p.small_from}: the scale table has only "
+                      f"{', '.join(p.models)}", stacklevel=2)
     quarter |= {name: f"N={info['n_layers']}" for name, info in zip(p.models, study["infos"], strict=True)}
     return scale_table(pd.concat([frontier, small_f], ignore_index=True), pd.concat([vs, small_vs], ignore_index=True),
                        quarter, {name: param_count(name) for name in quarter})
@@ -232,18 +235,24 @@ def summarise_scale(scale: pd.DataFrame, frontier: pd.DataFrame, study: dict) ->
     out = {f"{r.model}/{r.metric}/harp − {r.reference}": float(r.diff) for r in scale.itertuples()}
     out |= {f"{r.model}/{label(r.method, r.scope)}/{r.metric}": float(r.value) for r in frontier.itertuples()}
     for info in study["infos"]:
-        out[f"{info['model_id']}/best_baseline"] = info["best_baseline"]
+        out[f"{info['model']}/best_baseline"] = info["best_baseline"]
     out |= {f"{r.model}/seconds": float(r.seconds) for r in study["seconds"].itertuples()}
     return out
 
 
 def generation_scores(study: dict, seed: int = 0) -> pd.DataFrame:
-    """GSM8K exact match per model and point with its 95 % interval and n, and `reportable`: dense scores above 0
-    with its interval (a score where dense cannot solve any item says nothing about pruning)."""
+    """GSM8K exact match per model and point with its 95 % interval and n; each point's paired difference from dense
+    on the same items (diff, diff_low, diff_high); and `reportable`: dense scores above 0 with its interval (where
+    dense solves no item, the task cannot tell a pruned model from dense)."""
     gen = study["generation"]
     if gen.empty:
         return pd.DataFrame()
-    scores = task_scores(gen.assign(method=[label(m, s) if m != DENSE else DENSE
-                                            for m, s in zip(gen.method, gen.scope, strict=True)]), seed)
+    gen = gen.assign(method=[label(m, s) if m != DENSE else DENSE for m, s in zip(gen.method, gen.scope, strict=True)])
+    scores = task_scores(gen, seed)
+    paired = paired_table(gen, DENSE, ["model", "task"], seed=seed)
+    if len(paired):
+        paired = paired[["model", "task", "method", "diff", "ci_low", "ci_high"]].rename(
+            columns={"ci_low": "diff_low", "ci_high": "diff_high"})
+        scores = scores.merge(paired, on=["model", "task", "method"], how="left")
     dense_low = scores[scores.method == DENSE].set_index("model").ci_low
     return scores.assign(reportable=[bool(dense_low.get(m, 0) > 0) for m in scores.model])
