@@ -10,6 +10,7 @@ from torch.testing import assert_close
 
 from conftest import make_tiny
 from harp_src import apply_harp
+from harp_src.compare.points import with_speeds
 from harp_src.measure.timing import REFERENCE, harp_copy, latency_group, latency_pair, shape_key, time_shapes
 from harp_src.model.adapter import fingerprint, get_adapter
 from harp_src.model.modeling_harp import Constant
@@ -21,7 +22,7 @@ from harp_src.pruning.prune import prune
 from harp_src.pruning.record import PruneRecord
 from harp_src.pruning.selection import global_entries
 from harp_src.pruning.slicing import keep_channels, units
-from harp_src.studies.frontier import HARP, variants, versus_harp
+from harp_src.studies.frontier import HARP, timed_rows, variants, versus_harp
 
 FAMILIES = ["llama", "qwen2", "gemma3"]  # GQA (2 KV heads of 4), GQA with q/k/v biases, MQA
 CASES = [(m, s) for m in METHODS for s in SCOPES[m]]
@@ -330,3 +331,31 @@ def test_shape_key_names_one_structure_once():
     assert pruned("flap", 20_000, "mlp") != pruned("flap", 40_000, "mlp")
     assert pruned("flap", 20_000, "mlp") != pruned("flap", 20_000, "heads+mlp")
     assert pruned("wanda", 20_000) != shape_key(make_tiny("llama"), None)  # zeros run on dense kernels, but are timed
+
+
+def test_timing_part_times_each_shape_once_and_keeps_each_bypass_pair_in_one_round_robin():
+    """06's timing part: one row per distinct shape, HARP and harp-mean of a level side by side (so a group of an
+    even size never splits them), baselines from their stored records; `with_speeds` gives every point its shape's
+    figures and refuses a point whose shape was not timed."""
+    runs = pd.DataFrame([
+        dict(method="dense", scope="", level="", n_layers=0, budget_params=0, shape="dense"),
+        dict(method="harp", scope="attention", level="N=4", n_layers=4, budget_params=9, shape="h4"),
+        dict(method="flap", scope="mlp", level="N=4", n_layers=4, budget_params=9, shape="f4"),
+        dict(method="harp", scope="attention", level="N=2", n_layers=2, budget_params=5, shape="h2"),
+        dict(method="harp", scope="attention", level="paper", n_layers=4, budget_params=7, shape="h4"),
+        dict(method="flap", scope="mlp", level="paper", n_layers=4, budget_params=7, shape="f4p"),
+        dict(method="harp-mean", scope="attention", level="N=2", n_layers=2, budget_params=5, shape="m2"),
+        dict(method="harp-mean", scope="attention", level="N=4", n_layers=4, budget_params=9, shape="m4"),
+    ]).assign(model="m")
+    alphas = pd.DataFrame([dict(set=s, layer=i, alpha=0.5) for s, layers in
+                           (("2", [2, 3]), ("4", [0, 1, 2, 3]), ("harp-mean N=2", [2, 3]),
+                            ("harp-mean N=4", [0, 1, 2, 3])) for i in layers])
+    part = {"runs": runs, "alphas": alphas, "records": {"f4": "record f4", "f4p": "record f4p"}}
+    rows = timed_rows(None, part)  # every baseline has its record: nothing is pruned again
+    assert [r["shape"] for r in rows] == ["h2", "m2", "h4", "m4", "f4", "f4p"]
+    assert rows[3]["alphas"] == {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5} and rows[4]["record"] == "record f4"
+    speed = {s: {"speedup_8k": k + 1.0} for k, s in enumerate(["dense", "h2", "m2", "h4", "m4", "f4", "f4p"])}
+    timed = with_speeds(runs.assign(speedup_8k=0.0), speed)
+    assert timed.speedup_8k.tolist() == [1.0, 4.0, 6.0, 2.0, 4.0, 7.0, 3.0, 5.0]
+    with pytest.raises(ValueError, match="1 shapes of the points have no timing"):
+        with_speeds(runs, {s: v for s, v in speed.items() if s != "m4"})

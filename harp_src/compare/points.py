@@ -239,10 +239,22 @@ def scored_points(run: ModelRun, rows: list[dict], tasks: list[str], limit, shot
     return items
 
 
-def run_table(name: str, rows: list[dict], speed: dict) -> pd.DataFrame:
-    """One row per point: its cost (budget, parameters removed, weights zeroed) beside its measured speed."""
-    return pd.DataFrame([{k: v for k, v in r.items() if k not in ("record", "alphas")} | speed[r["shape"]]
-                         for r in rows]).assign(model=name)
+def run_table(name: str, rows: list[dict], speed: dict | None = None) -> pd.DataFrame:
+    """One row per point: its cost (budget, parameters removed, weights zeroed) and shape, beside its measured speed
+    (`speed`: {shape: speed row}; None when the shapes are timed later, see `with_speeds`)."""
+    return pd.DataFrame([{k: v for k, v in r.items() if k not in ("record", "alphas")}
+                         | ({} if speed is None else speed[r["shape"]]) for r in rows]).assign(model=name)
+
+
+def with_speeds(runs: pd.DataFrame, speed: dict) -> pd.DataFrame:
+    """`runs` with its speed columns replaced by those of each row's shape in `speed` ({shape: speed row}, dense's
+    under DENSE), as `speeds` returns them."""
+    missing = sorted(set(runs["shape"]) - set(speed))
+    if missing:
+        raise ValueError(f"{len(missing)} shapes of the points have no timing (first: {missing[0][:80]}); time them "
+                         f"with `speeds` first")
+    timed = pd.DataFrame([speed[s] for s in runs["shape"]], index=runs.index)
+    return pd.concat([runs.drop(columns=[c for c in timed.columns if c in runs.columns]), timed], axis=1)
 
 
 # ---------------------------------------------------------------------------------------------- speed
@@ -266,6 +278,9 @@ def speeds(run: ModelRun, rows: list[dict]) -> dict[str, dict]:
                         decode_steps=p.decode_steps, group=TIMING_GROUP, desc=f"{run.name}: timing",
                         store=lambda names, compute: run.step({"timing": names}, compute))
     return {DENSE if k == REFERENCE else k: speed_row(*v, p.speed_lens[1]) for k, v in timed.items()}
+
+
+SPEED_COLUMNS = ("speedup_2k", "speedup_8k", "decode_speedup_8k", "decode_tokens_per_s_8k", "kv_bytes_per_token")
 
 
 def speed_row(fast: dict, slow: dict, long: int) -> dict:

@@ -90,7 +90,7 @@ def verdict(study: dict, vs: pd.DataFrame) -> pd.DataFrame:
 def mean_versus_identity(study: dict, vs: pd.DataFrame) -> pd.DataFrame:
     """harp-mean against identity HARP per model, level and metric (KL, LAMBADA, ARC-Easy where measured): the paired
     difference mean − identity with its interval, n and `decided`, beside both bypasses' prefill speed-up at the long
-    length and decode speed-up there, from their one timing round-robin with dense."""
+    length and decode speed-up there, timed side by side in one round-robin with dense."""
     if study["mean_speed"].empty:
         return pd.DataFrame()
     d = vs[(vs.method == HARP_MEAN) & vs.metric.isin(["kl", LAMBADA, "arc_easy"])]

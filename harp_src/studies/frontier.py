@@ -9,10 +9,14 @@ level each baseline is pruned to HARP's real parameter drop (`params_removed`, f
 more level, `paper`; unstructured Wanda runs at quarter depth only. Every point gets token-level fidelity on enwiki
 test (KL, Δ NLL, top-1 agreement, per window), LAMBADA (every level), ARC-Easy, PIQA and HellaSwag (quarter depth),
 each with a paired interval against dense, and its measured prefill speed-up at two prompt lengths, decode speed at
-the longer one and KV-cache bytes per token (each pruned shape timed once, interleaved with dense).
+the longer one and KV-cache bytes per token.
 
-`harp-mean` (issue 28), HARP with the causal-mean bypass, gets the same axes at every level, α's searched for it;
-it is timed with identity HARP and dense, and kept in a part of its own (adding it reuses a stored main part).
+`harp-mean` (issue 28), HARP with the causal-mean bypass, gets the same axes at every level, α's searched for it,
+in a part of its own (adding it reused a stored main part).
+
+Speed is measured last, in a timing part per model: each distinct pruned shape of its points once, interleaved with
+dense, identity HARP and harp-mean of one level side by side in one round-robin. Quality does not depend on the
+machine's load; timing does, so a part of its own can be remeasured on a quiet machine without touching the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ..compare.points import (
     HARP_MEAN,
     LAMBADA,
     PAPER,
+    SPEED_COLUMNS,
     ModelRun,
     best_baseline,
     bi_plan,
@@ -49,8 +54,10 @@ from ..compare.points import (
     task_items,
     top_plans,
     variants,
+    with_speeds,
 )
 from ..compare.tables import FRONTIER_COLUMNS, frontier_table, mean_versus_identity, verdict, versus_harp
+from ..measure.timing import shape_key
 from ..method.layers import quarter_depth
 from ..model.adapter import fingerprint
 from ..model.loading import model_info
@@ -194,10 +201,10 @@ def _model_part(name: str, p: FrontierParams) -> dict:
     items = [dict(model=name, method=DENSE, level="", **r) for r in dense_items]
     chosen = [v for v in variants(p.methods) if v[0] != HARP_MEAN]  # harp-mean has a part of its own
     rows, fids, found = measure_points(run, _recipes(chosen, levels, quarter, plans, budgets))
-    speed = speeds(run, rows)
     dense_row = {"model": name, "method": DENSE, "scope": "", "level": "", "n_layers": 0, "budget_params": 0,
-                 "params_removed": 0, "weights_zeroed": 0, "shape": DENSE} | speed[DENSE]
-    return {"runs": pd.concat([pd.DataFrame([dense_row]), run_table(name, rows, speed)], ignore_index=True),
+                 "params_removed": 0, "weights_zeroed": 0, "shape": DENSE}
+    return {"runs": pd.concat([pd.DataFrame([dense_row]), run_table(name, rows)], ignore_index=True),
+            "records": {r["shape"]: r["record"] for r in rows if r["record"] is not None},  # for the timing part
             "fidelity": pd.concat(fids, ignore_index=True).assign(model=name), "items": pd.DataFrame(items + found),
             "alphas": pd.DataFrame([dict(model=name, set=str(k), layer=i, alpha=a) for k, plan in plans.items()
                                     for i, a in plan.items()]),
@@ -207,45 +214,95 @@ def _model_part(name: str, p: FrontierParams) -> dict:
 
 
 def _mean_part(name: str, p: FrontierParams, main: dict) -> dict:
-    """harp-mean at every level: α's searched for the causal-mean bypass (top-down, the deepest N once), the same
-    quality axes, and a timing round-robin of dense, identity HARP and harp-mean at each level (`speed`: both
-    bypasses' figures from that one round-robin)."""
+    """harp-mean at every level: α's searched for the causal-mean bypass (top-down, the deepest N once) and the
+    same quality axes (timed with the rest in the timing part)."""
     start = time.perf_counter()
     run, levels, quarter = _setup(name, p)
     plans, drop = top_plans(run, levels, bypass="mean"), main["budgets"][name]
     recipes = [dict(method=HARP_MEAN, scope="attention", level=f"N={n}", n_layers=n, budget=drop[str(n)],
                     alphas=plans[n]) for n in levels]
     rows, fids, items = measure_points(run, recipes)
-    found = {k: dict(zip(g.layer, g.alpha, strict=True)) for k, g in main["alphas"].groupby("set")}
-    identity = [dict(method=HARP, level=f"N={n}", record=None, shape=f"identity N={n}", alphas=found[str(n)])
-                for n in levels]
-    speed = speeds(run, rows + identity)
-    pair = pd.DataFrame([dict(model=name, method=r["method"], level=r["level"]) | speed[r["shape"]]
-                         for r in rows + identity])
-    return {"runs": run_table(name, rows, speed), "fidelity": pd.concat(fids, ignore_index=True).assign(model=name),
-            "items": pd.DataFrame(items), "speed": pair, "steps": steps_summary(run.made),
+    return {"runs": run_table(name, rows), "fidelity": pd.concat(fids, ignore_index=True).assign(model=name),
+            "items": pd.DataFrame(items), "steps": steps_summary(run.made),
             "alphas": pd.DataFrame([dict(model=name, set=f"{HARP_MEAN} N={r['n_layers']}", layer=i, alpha=a)
                                     for r in recipes for i, a in r["alphas"].items()]),
             "seconds": dict(model=name, seconds=time.perf_counter() - start)}
 
 
 def _with_mean(main: dict, mean: dict, made: dict) -> dict:
-    """The main part with harp-mean's points added (and its timing round-robin under `mean_speed`)."""
+    """The main part with harp-mean's points added."""
     joined = {k: pd.concat([main[k], mean[k]], ignore_index=True) for k in ("runs", "fidelity", "items", "alphas")}
     seconds, info = main["seconds"] | {"mean_seconds": mean["seconds"]["seconds"]}, main["info"]
-    return main | joined | {"mean_speed": mean["speed"], "seconds": seconds,
-                            "info": info | {"harp_mean_part": made | {"steps": mean["steps"]}}}
+    return main | joined | {"seconds": seconds, "info": info | {"harp_mean_part": made | {"steps": mean["steps"]}}}
+
+
+def _plan_set(method: str, n_layers: int) -> str:
+    """Where a HARP variant's α's are in a part's `alphas` table (its `set` column)."""
+    return {HARP: str(n_layers), HARP_MEAN: f"{HARP_MEAN} N={n_layers}"}.get(method, HARP_BI)
+
+
+def _rebuilt_record(run: ModelRun, row) -> object:
+    """A baseline point's record, pruned again by its deterministic rule (for parts stored before they kept their
+    records), refused unless it gives the measured point's shape."""
+    recipe = dict(method=row.method, scope=row.scope, budget=int(row.budget_params))
+    model, record = build(run.dense, recipe, run.calib)
+    if shape_key(model, record) != row.shape:
+        raise RuntimeError(f"{label(row.method, row.scope)} at {row.level} pruned again gives another shape than "
+                           f"its measured point; delete {run.name}'s stored 06 parts to measure it again")
+    return record
+
+
+def timed_rows(run: ModelRun, part: dict) -> list[dict]:
+    """A row per distinct pruned shape of a model's finished points, ready for `speeds`: HARP variants rebuilt from
+    their α's, baselines from their records. Identity HARP and harp-mean of each level come first, side by side,
+    so each pair shares a round-robin (groups of TIMING_GROUP, an even number)."""
+    runs = part["runs"]
+    runs = runs[runs.method != DENSE].drop_duplicates("shape")
+    pairs = runs.method.isin([HARP, HARP_MEAN]) & runs.level.str.startswith("N=")
+    ordered = pd.concat([runs[pairs].sort_values(["n_layers", "method"]), runs[~pairs]])
+    plans = {k: dict(zip(g.layer.astype(int), g.alpha, strict=True)) for k, g in part["alphas"].groupby("set")}
+    records = part.get("records", {})
+    rows = []
+    for r in ordered.itertuples():
+        row = dict(method=r.method, level=r.level, shape=r.shape, record=None)
+        if r.method in HARP_KINDS:
+            row["alphas"] = plans[_plan_set(r.method, r.n_layers)]
+        else:
+            row["record"] = records[r.shape] if r.shape in records else _rebuilt_record(run, r)
+        rows.append(row)
+    return rows
+
+
+def _timing_part(name: str, p: FrontierParams, part: dict) -> dict:
+    """Every distinct shape of a model's finished main and harp-mean points timed against dense (`speeds`: groups
+    of TIMING_GROUP, each group a stored step)."""
+    start = time.perf_counter()
+    run, _, _ = _setup(name, p, states=False)  # no fidelity here: the dense states are not needed
+    speed = speeds(run, timed_rows(run, part))
+    return {"speed": speed, "steps": steps_summary(run.made), "seconds": time.perf_counter() - start}
+
+
+def _with_speed(part: dict, timing: dict, made: dict) -> dict:
+    """The part with every point's speed from the timing part, and `mean_speed`: identity HARP and harp-mean at each
+    level (empty without harp-mean)."""
+    runs = with_speeds(part["runs"], timing["speed"])
+    pairs = runs[runs.method.isin([HARP, HARP_MEAN]) & runs.level.str.startswith("N=")]
+    mean_speed = pairs if (pairs.method == HARP_MEAN).any() else pairs.iloc[:0]
+    return part | {"runs": runs, "mean_speed": mean_speed[["model", "method", "level", *SPEED_COLUMNS]],
+                   "seconds": part["seconds"] | {"timing_seconds": timing["seconds"]},
+                   "info": part["info"] | {"timing_part": made | {"steps": timing["steps"]}}}
 
 
 def frontier_study(p: FrontierParams) -> dict:
     """Every method at HARP's real drop at each level of each model (see the module docstring). Main parts run
-    before harp-mean parts; parts and their steps (searches, points, timing groups) are stored in .runs/parts, so
-    with REUSE_PARTS an interrupted run resumes where it stopped.
+    first, then harp-mean parts, timing parts and gold parts; parts and their steps (searches, points, timing
+    groups) are stored in .runs/parts, so with REUSE_PARTS an interrupted run resumes where it stopped.
 
     Returns:
         dict: runs (a row per point: method, scope, level, n_layers, budget_params, params_removed, weights_zeroed,
         speed-ups, decode tokens/s, KV bytes per token), fidelity (per window), items (task items), alphas, budgets,
-        infos (with each part's and steps' provenance), seconds, mean_speed (harp-mean's round-robin with HARP).
+        infos (with each part's and steps' provenance), seconds, mean_speed (identity HARP and harp-mean at each
+        level, timed side by side).
     """
     p.check()
     settings = settings_of(p, exempt=True)  # the gold parameters key only the gold parts
@@ -259,6 +316,10 @@ def frontier_study(p: FrontierParams) -> dict:
             mean, made = stored_part(p.NOTEBOOK, {"model": name, "part": HARP_MEAN, **settings},
                                      lambda name=name, part=part: _mean_part(name, p, part), p.reuse_parts)
             parts[k] = _with_mean(part, mean, made)
+    for k, (name, part) in enumerate(zip(p.models, list(parts), strict=True)):
+        timing, made = stored_part(p.NOTEBOOK, {"model": name, "part": "timing", **settings},
+                                   lambda name=name, part=part: _timing_part(name, p, part), p.reuse_parts)
+        parts[k] = _with_speed(part, timing, made)
     if p.gold_tasks:
         for k, (name, part) in enumerate(zip(p.models, list(parts), strict=True)):
             gold, made = stored_part(p.NOTEBOOK, {"model": name, "part": "gold", **settings_of(p)},
