@@ -295,7 +295,7 @@ def _with_speed(part: dict, timing: dict, made: dict) -> dict:
 
 def frontier_study(p: FrontierParams) -> dict:
     """Every method at HARP's real drop at each level of each model (see the module docstring). Main parts run
-    first, then harp-mean parts, timing parts and gold parts; parts and their steps (searches, points, timing
+    first, then harp-mean parts, gold parts and, last, timing parts; parts and their steps (searches, points, timing
     groups) are stored in .runs/parts, so with REUSE_PARTS an interrupted run resumes where it stopped.
 
     Returns:
@@ -316,10 +316,6 @@ def frontier_study(p: FrontierParams) -> dict:
             mean, made = stored_part(p.NOTEBOOK, {"model": name, "part": HARP_MEAN, **settings},
                                      lambda name=name, part=part: _mean_part(name, p, part), p.reuse_parts)
             parts[k] = _with_mean(part, mean, made)
-    for k, (name, part) in enumerate(zip(p.models, list(parts), strict=True)):
-        timing, made = stored_part(p.NOTEBOOK, {"model": name, "part": "timing", **settings},
-                                   lambda name=name, part=part: _timing_part(name, p, part), p.reuse_parts)
-        parts[k] = _with_speed(part, timing, made)
     if p.gold_tasks:
         for k, (name, part) in enumerate(zip(p.models, list(parts), strict=True)):
             gold, made = stored_part(p.NOTEBOOK, {"model": name, "part": "gold", **settings_of(p)},
@@ -327,6 +323,10 @@ def frontier_study(p: FrontierParams) -> dict:
             parts[k] = part | {"items": pd.concat([part["items"], gold["items"]], ignore_index=True),
                                "info": part["info"] | {"gold_part": made | {"steps": gold["steps"]}},
                                "seconds": part["seconds"] | {"gold_seconds": gold["seconds"]}}
+    for k, (name, part) in enumerate(zip(p.models, list(parts), strict=True)):  # last: needs a quiet machine
+        timing, made = stored_part(p.NOTEBOOK, {"model": name, "part": "timing", **settings},
+                                   lambda name=name, part=part: _timing_part(name, p, part), p.reuse_parts)
+        parts[k] = _with_speed(part, timing, made)
 
     def cat(key):
         return pd.concat([part.get(key, pd.DataFrame()) for part in parts], ignore_index=True)
