@@ -343,6 +343,8 @@ def summarise_frontier(frontier: pd.DataFrame, verdicts: pd.DataFrame, study: di
     for r in verdicts.itertuples():
         out[f"{r.model}/{r.level}/harp_on_frontier"] = bool(r.harp_on_frontier)
         out[f"{r.model}/{r.level}/dominates_on_kl"] = r.dominates_on_kl
+        out[f"{r.model}/{r.level}/better_on_kl"] = r.better_on_kl  # quality alone: no timing noise
+        out[f"{r.model}/{r.level}/better_on_lambada"] = r.better_on_lambada
     for model, b in study["budgets"].items():
         out |= {f"{model}/budget/{k}": v for k, v in b.items()}
     for r in study["mean_speed"].itertuples():
