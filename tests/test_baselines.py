@@ -22,7 +22,7 @@ from harp_src.pruning.prune import prune
 from harp_src.pruning.record import PruneRecord
 from harp_src.pruning.selection import global_entries
 from harp_src.pruning.slicing import keep_channels, units
-from harp_src.studies.frontier import HARP, timed_rows, variants, versus_harp
+from harp_src.studies.frontier import HARP, timed_rows, variants, verdict, versus_harp
 
 FAMILIES = ["llama", "qwen2", "gemma3"]  # GQA (2 KV heads of 4), GQA with q/k/v biases, MQA
 CASES = [(m, s) for m in METHODS for s in SCOPES[m]]
@@ -359,3 +359,17 @@ def test_timing_part_times_each_shape_once_and_keeps_each_bypass_pair_in_one_rou
     assert timed.speedup_8k.tolist() == [1.0, 4.0, 6.0, 2.0, 4.0, 7.0, 3.0, 5.0]
     with pytest.raises(ValueError, match="1 shapes of the points have no timing"):
         with_speeds(runs, {s: v for s, v in speed.items() if s != "m4"})
+
+
+def test_verdict_separates_better_points_by_measured_speed():
+    """A point better than HARP on KL (decided) dominates only if it is at least as fast at 8k; better_on_kl lists
+    every decided better point whatever its speed, and an undecided one is in neither."""
+    runs = pd.DataFrame(dict(model="m", level="N=4", scope=["attention", "mlp", "blocks", "mlp"],
+                             method=[HARP, "flap", "shortgpt", "wanda-sp"], speedup_8k=[1.20, 1.25, 1.05, 1.30]))
+    vs = pd.DataFrame(dict(model="m", level="N=4", metric="kl", method=["flap [mlp]", "shortgpt", "wanda-sp"],
+                           diff=[-0.3, -0.2, -0.1], decided=[True, True, False]))
+    row = verdict({"runs": runs}, vs).iloc[0]
+    assert (row.better_on_kl, row.dominates_on_kl, row.better_but_slower) == ("flap [mlp], shortgpt", "flap [mlp]", "shortgpt")
+    assert (row.better_on_lambada, row.harp_on_frontier) == ("none", False)
+    slower = verdict({"runs": runs.assign(speedup_8k=[1.20, 1.10, 1.05, 1.30])}, vs).iloc[0]
+    assert (slower.dominates_on_kl, slower.harp_on_frontier) == ("none", True)
