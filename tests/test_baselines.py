@@ -14,12 +14,13 @@ from harp_src.compare.points import with_speeds
 from harp_src.measure.timing import REFERENCE, harp_copy, latency_group, latency_pair, shape_key, time_shapes
 from harp_src.model.adapter import fingerprint, get_adapter
 from harp_src.model.modeling_harp import Constant
-from harp_src.pruning import methods
+from harp_src.pruning import calibration, methods
+from harp_src.pruning import wanda as wanda_module
 from harp_src.pruning.budgets import budgets, capacity
 from harp_src.pruning.flap import compensation
 from harp_src.pruning.methods import METHODS, SCOPES
 from harp_src.pruning.prune import prune
-from harp_src.pruning.record import PruneRecord
+from harp_src.pruning.record import PruneRecord, apply_entry, linears
 from harp_src.pruning.selection import global_entries
 from harp_src.pruning.slicing import keep_channels, units
 from harp_src.studies.frontier import HARP, timed_rows, variants, verdict, versus_harp
@@ -114,6 +115,34 @@ def test_scores_come_from_calibration_only(ids):
     other = prune(make_tiny("llama"), "wanda-sp", 20_000, calib(seed=2), progress=False)
     assert first.layers == second.layers and first.meta == second.meta
     assert first.meta["calib_sha256"] != other.meta["calib_sha256"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gemma3"])  # gemma: sliding and global layers
+@pytest.mark.parametrize("method", ["wanda", "wanda-sp"])
+def test_layer_by_layer_calibration_carries_states_as_a_rerun_from_the_bottom_would(family, method):
+    windows = calib(seed=1, n=3, t=24)  # longer than the Gemma sliding window (8); 3 windows: an uneven last batch
+    carried = make_tiny(family)
+    record = prune(carried, method, 20_000, windows, progress=False)
+    # the reference: each layer calibrated by running the whole (partly pruned) model from the bottom up to it
+    rerun = make_tiny(family)
+    ad = get_adapter(rerun)
+
+    def slow_sequential(model, request, desc, layer_entry):
+        entries = {}
+        for i in range(ad.n_layers):
+            lin = linears(ad, i)
+            watched = {f"{i}.{p}": lin[p] for p in ("q_proj", "o_proj", "gate_proj", "down_proj")}
+            entries[i] = layer_entry(i, calibration.calibrate(model, request.windows, watched, request.batch_size,
+                                                              stop_at=i))
+            apply_entry(ad, i, entries[i])
+        return entries
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(wanda_module, "sequential", slow_sequential)
+        reference = prune(rerun, method, 20_000, windows, progress=False)
+    assert record.layers == reference.layers
+    for (name, a), (_, b) in zip(carried.named_parameters(), rerun.named_parameters(), strict=True):
+        assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
 def test_mag_sp_removes_the_hand_computed_channels():
