@@ -5,8 +5,9 @@ import math
 
 import pandas as pd
 import pytest
+import torch
 
-from harp_src.compare.points import settings_of
+from harp_src.compare.points import TIMING_GROUP, settings_of, timing_group
 from harp_src.model import loading
 from harp_src.model.loading import PACKAGED, param_count, require_installed
 from harp_src.studies.frontier import FrontierParams
@@ -143,3 +144,11 @@ def test_no_structured_baseline_means_no_best():
     assert best_baseline(fid) == ""
     _, vs = tables()
     assert kl_best(vs[vs.method == "harp-mean"], "m", "N=2") == ""
+
+
+def test_timing_holds_one_pruned_copy_beside_a_large_model_and_six_beside_a_small_one():
+    small = torch.nn.Linear(1000, 1000)  # 4 MB of fp32 weights
+    assert timing_group(small) == TIMING_GROUP
+    assert timing_group(small, budget=3 * 4_004_000) == 2  # dense and two copies fill the budget
+    assert timing_group(small, budget=2 * 4_004_000) == 1
+    assert timing_group(small, budget=1) == 1  # always one copy at least: the round-robin needs one

@@ -37,6 +37,7 @@ LAMBADA = "lambada_openai"
 BEST = "best"  # where a study names points: the baseline closest to dense on enwiki KL (see best_baseline)
 TASK_BATCH = 8  # lm-eval requests per forward
 TIMING_GROUP = 6  # pruned models timed in one round-robin with dense (their copies are held at once)
+COPIES_BYTES = 14 * 2**30  # weights of dense and the group's copies held at once: two fp32 copies of a 1.5B model
 
 
 def label(method: str, scope: str) -> str:
@@ -268,14 +269,22 @@ def rebuild(dense, row: dict):
     return model
 
 
+def timing_group(dense, budget: int = COPIES_BYTES) -> int:
+    """How many pruned copies to time beside `dense` in one round-robin: TIMING_GROUP, fewer where the copies and
+    dense would not fit `budget` bytes of weights (one at a time for a 1.5B model in fp32), at least one."""
+    size = sum(t.numel() * t.element_size() for t in dense.parameters())
+    return max(1, min(TIMING_GROUP, budget // size - 1))
+
+
 def speeds(run: ModelRun, rows: list[dict]) -> dict[str, dict]:
     """{shape: speed-ups, decode speed and KV bytes per token} of every distinct pruned shape and of dense (DENSE),
-    TIMING_GROUP shapes at a time in one round-robin with dense at both prompt lengths, each group a stored step."""
+    `timing_group` shapes at a time in one round-robin with dense at both prompt lengths, each group a stored
+    step."""
     p = run.params
     first = {r["shape"]: r for r in reversed(rows)}
     builders = {s: (lambda s=s: rebuild(run.dense, first[s])) for s in dict.fromkeys(r["shape"] for r in rows)}
     timed = time_shapes(run.dense, builders, tuple(p.speed_lens), repeats=p.speed_repeats, seed=p.seed,
-                        decode_steps=p.decode_steps, group=TIMING_GROUP, desc=f"{run.name}: timing",
+                        decode_steps=p.decode_steps, group=timing_group(run.dense), desc=f"{run.name}: timing",
                         store=lambda names, compute: run.step({"timing": names}, compute))
     return {DENSE if k == REFERENCE else k: speed_row(*v, p.speed_lens[1]) for k, v in timed.items()}
 
