@@ -29,6 +29,18 @@ def test_executed_notebook_matches_the_committed_figures(path):
     assert check_executed(path, ROOT / "figures", profile_parameters("full", path.stem)) == []
 
 
+def _cells(path: Path) -> list[tuple[str, str]]:
+    """(cell type, source) of a notebook's cells, without the parameters papermill injects."""
+    nb = nbformat.read(path, as_version=4)
+    return [(c.cell_type, c.source) for c in nb.cells if "injected-parameters" not in c.metadata.get("tags", [])]
+
+
+@pytest.mark.parametrize("path", COPIES, ids=[p.stem for p in COPIES])
+def test_executed_notebook_reads_as_its_source(path):
+    # a conclusion edited after the run must reach the copy a reader opens too
+    assert _cells(path) == _cells(NOTEBOOKS / path.name), f"{path.name}: rerun it, or carry the source's text over"
+
+
 @pytest.fixture
 def doctored(tmp_path) -> tuple[Path, Path, dict]:
     """A copy of the first executed notebook and of the figures it embeds, in tmp_path."""
