@@ -1,5 +1,6 @@
 """Structured-pruning baselines on tiny random models: budgets, real removal, exact record replay, bad input."""
 
+import copy
 import json
 
 import pandas as pd
@@ -18,9 +19,10 @@ from harp_src.pruning import calibration, methods
 from harp_src.pruning import wanda as wanda_module
 from harp_src.pruning.budgets import budgets, capacity
 from harp_src.pruning.flap import compensation
+from harp_src.pruning.llm_pruner import accumulate_gradients, taylor_scores
 from harp_src.pruning.methods import METHODS, SCOPES
-from harp_src.pruning.prune import prune
-from harp_src.pruning.record import PruneRecord, apply_entry, linears
+from harp_src.pruning.prune import applied_copy, prune, pruned_copy
+from harp_src.pruning.record import MLP_PROJ, PruneRecord, apply_entry, linears
 from harp_src.pruning.selection import global_entries
 from harp_src.pruning.slicing import keep_channels, units
 from harp_src.studies.frontier import HARP, timed_rows, variants, verdict, versus_harp
@@ -91,6 +93,57 @@ def test_budget_removal_generate_and_replay(family, method, scope, ids):
     a, b = model.state_dict(), again.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert n_params(again) == n_params(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method,scope", CASES)
+def test_pruned_copy_is_pruning_a_copy_and_leaves_the_model_as_it_was(family, method, scope):
+    dense = make_tiny(family)
+    before = {k: v.clone() for k, v in dense.state_dict().items()}
+    flags = [p.requires_grad for p in dense.parameters()]
+    budget = budget_of(dense, method, scope)
+    reference = copy.deepcopy(dense)
+    expected = prune(reference, method, budget, calib(), scope, progress=False)
+    pruned, record = pruned_copy(dense, method, budget, calib(), scope, progress=False)
+    assert record.to_dict() == expected.to_dict() and pruned.prune_record.to_dict() == expected.to_dict()
+    assert_close(pruned.state_dict(), reference.state_dict(), rtol=0, atol=0)
+    assert_close(dense.state_dict(), before, rtol=0, atol=0)  # scored in place (not SEQUENTIAL), yet unchanged
+    assert [p.requires_grad for p in dense.parameters()] == flags and all(p.grad is None for p in dense.parameters())
+    assert not hasattr(dense, "prune_record") and n_params(dense) - n_params(pruned) == record.params_removed
+    # the copy owns every weight (those it shared while being pruned were replaced or cloned)
+    assert not {p.data_ptr() for p in pruned.parameters()} & {p.data_ptr() for p in dense.parameters()}
+    # the record, applied to a copy, rebuilds the same model the same way
+    again = applied_copy(dense, PruneRecord.from_dict(json.loads(json.dumps(record.to_dict()))))
+    assert_close(again.state_dict(), reference.state_dict(), rtol=0, atol=0)
+    assert_close(dense.state_dict(), before, rtol=0, atol=0)
+    assert not {p.data_ptr() for p in again.parameters()} & {p.data_ptr() for p in dense.parameters()}
+
+
+def test_applied_copy_refuses_a_record_of_another_model_and_leaves_both_unchanged():
+    record = prune(make_tiny("llama"), "flap", 20_000, calib(), "mlp", progress=False)
+    other = make_tiny("qwen2")
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match="another model"):
+        applied_copy(other, record)
+    assert_close(other.state_dict(), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llm_pruner_channel_scores_need_only_the_mlp_gradients(family):
+    model = make_tiny(family)
+    ad = get_adapter(model)
+    every = [p for i in range(ad.n_layers) for lin in linears(ad, i).values() for p in lin.parameters()]
+    accumulate_gradients(model, calib(), every, 2, False)
+    full = [taylor_scores(ad, i) for i in range(ad.n_layers)]
+    model.zero_grad(set_to_none=True)
+    mlp = [p for i in range(ad.n_layers) for name, lin in linears(ad, i).items() if name in MLP_PROJ
+           for p in lin.parameters()]
+    accumulate_gradients(model, calib(), mlp, 2, False)
+    assert all(p.grad is None for i in range(ad.n_layers) for p in ad.attention(i).parameters())
+    for i, (heads, channels) in enumerate(full):
+        only, mlp_channels = taylor_scores(ad, i, heads=False)
+        assert only is None and heads is not None
+        assert_close(mlp_channels, channels)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -26,7 +26,7 @@ from ..method.search import search_alphas
 from ..model.adapter import fingerprint
 from ..model.weights import n_params
 from ..pruning.methods import METHODS, SCOPES, UNSTRUCTURED
-from ..pruning.prune import prune
+from ..pruning.prune import applied_copy, pruned_copy
 from ..report.parts import stored_part, stored_step
 
 DENSE, HARP, HARP_BI, HARP_MEAN, PAPER = "dense", "harp", "harp-bi", "harp-mean", "paper"
@@ -141,12 +141,12 @@ def real_drops(config, plans: dict, levels: list[int], quarter: int) -> dict:
 
 def build(dense, recipe: dict, calib):
     """A pruned copy of `dense` and the baseline's record (None for HARP)."""
+    if "alphas" not in recipe:
+        return pruned_copy(dense, recipe["method"], recipe["budget"], calib, recipe["scope"], progress=False)
     model = copy.deepcopy(dense)
-    if "alphas" in recipe:
-        apply_harp(model, sorted(recipe["alphas"]), recipe["alphas"], meta={"method": recipe["method"]},
-                   bypass=BYPASS.get(recipe["method"], "identity"))
-        return model, None
-    return model, prune(model, recipe["method"], recipe["budget"], calib, recipe["scope"], progress=False)
+    apply_harp(model, sorted(recipe["alphas"]), recipe["alphas"], meta={"method": recipe["method"]},
+               bypass=BYPASS.get(recipe["method"], "identity"))
+    return model, None
 
 
 def level_points(run: ModelRun, chosen: list[tuple[str, str]], n: int) -> tuple[list[dict], dict, dict]:
@@ -261,11 +261,10 @@ def with_speeds(runs: pd.DataFrame, speed: dict) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------- speed
 def rebuild(dense, row: dict):
     """The pruned model of a measured point, from its record or α's (no calibration needed)."""
-    model = copy.deepcopy(dense)
     if row["record"] is not None:
-        row["record"].apply(model)
-    else:
-        apply_harp(model, sorted(row["alphas"]), row["alphas"], bypass=BYPASS.get(row["method"], "identity"))
+        return applied_copy(dense, row["record"])
+    model = copy.deepcopy(dense)
+    apply_harp(model, sorted(row["alphas"]), row["alphas"], bypass=BYPASS.get(row["method"], "identity"))
     return model
 
 

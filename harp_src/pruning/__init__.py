@@ -4,7 +4,9 @@ ShortGPT, attention-layer drop, and unstructured Wanda as the contrast.
 `prune.prune(model, method, budget_params, calib_windows, scope)` scores units on calibration windows (enwiki train),
 chooses what to remove, and really removes it (`slicing`): weights are sliced, a sub-layer left with nothing becomes
 a `Constant` and stops using the KV cache. It returns a `PruneRecord`, a JSON-serialisable list of what each layer
-keeps, which re-applies to the base model bit for bit.
+keeps, which re-applies to the base model bit for bit. `prune.pruned_copy` gives the same pruned model as a copy and
+leaves the model unchanged; where scoring does not change the model it scores before copying, which keeps the copy
+and LLM-Pruner's gradients out of memory at the same time.
 
 Methods (units: attention head groups or MQA query heads, and MLP channels; see `slicing`):
 - mag-sp: ‖W_out[:, unit]‖₂ of the output projection the unit feeds (o_proj / down_proj). Uniform ratio, no data.

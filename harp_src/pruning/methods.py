@@ -21,6 +21,7 @@ SCOPES: dict[str, tuple[str, ...]] = {
 }
 METHODS = tuple(SCOPES)
 DATA_FREE = ("mag-sp", "attn-drop-top")
+SEQUENTIAL = ("wanda", "wanda-sp")  # prune layer i before calibrating layer i+1: their scoring changes the model
 UNSTRUCTURED = ("wanda",)  # zeroes weights in dense shapes: removes no parameter, so it is a contrast, never "best"
 
 

@@ -1,8 +1,9 @@
 """`prune(model, method, budget_params, calib_windows, scope)`: the one entry to every baseline, through a registry of
-pruners that share one signature."""
+pruners that share one signature; `pruned_copy` prunes a copy and leaves the model as it was."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import numpy as np
@@ -18,8 +19,8 @@ from .flap import flap
 from .layer_drop import attention_drop_similar, attention_drop_top, shortgpt
 from .llm_pruner import llm_pruner
 from .magnitude import mag_sp
-from .methods import DATA_FREE, METHODS, SCOPES, Entries, PruneRequest
-from .record import PruneRecord, apply_entry, finish, zeroed_count
+from .methods import DATA_FREE, METHODS, SCOPES, SEQUENTIAL, Entries, PruneRequest
+from .record import PruneRecord, apply_entry, edits_in_place, finish, linears, zeroed_count
 from .wanda import wanda, wanda_sp
 
 # The one registry: method name -> pruner, all with the signature (model, PruneRequest) -> Entries.
@@ -61,6 +62,36 @@ def _check_call(model, method: str, scope: str | None, budget_params, calib_wind
     return scope
 
 
+def _entries(model: nn.Module, request: PruneRequest) -> Entries:
+    """The pruner's entries for `model` (in eval mode meanwhile; its training flag is restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return PRUNERS[request.method](model, request)
+    finally:
+        model.train(was_training)
+
+
+def _applied(model: nn.Module, request: PruneRequest, found: Entries, before: int) -> PruneRecord:
+    """Apply the entries to `model` (unless the pruner already did) and record what was removed from `before`
+    parameters."""
+    entries, applied = found
+    ad = get_adapter(model)
+    if not applied:
+        for i in sorted(entries):
+            apply_entry(ad, i, entries[i])
+    record = PruneRecord(request.method, request.scope, request.budget, fingerprint(model.config), entries,
+                         before - n_params(model), zeroed_count(entries, ad), windows_meta(request.windows))
+    finish(model, record)
+    return record
+
+
+def _request(model, method, budget_params, calib_windows, scope, *, batch_size, progress) -> PruneRequest:
+    """The checked request of a `prune` call (see `_check_call` for what is refused)."""
+    scope = _check_call(model, method, scope, budget_params, calib_windows)
+    return PruneRequest(method, scope, int(budget_params), calib_windows, batch_size, progress)
+
+
 def prune(model: nn.Module, method: str, budget_params: int, calib_windows: torch.Tensor | None = None,
           scope: str | None = None, *, batch_size: int = 2, progress: bool = True) -> PruneRecord:
     """Prune `model` in place with a baseline method at a parameter budget.
@@ -74,21 +105,59 @@ def prune(model: nn.Module, method: str, budget_params: int, calib_windows: torc
     Returns:
         The PruneRecord (`model.prune_record`); `params_removed` is the model's real parameter drop.
     """
-    scope = _check_call(model, method, scope, budget_params, calib_windows)
+    request = _request(model, method, budget_params, calib_windows, scope, batch_size=batch_size,
+                       progress=progress)
     before = n_params(model)
-    was_training = model.training
-    model.eval()
-    try:
-        request = PruneRequest(method, scope, int(budget_params), calib_windows, batch_size, progress)
-        entries, applied = PRUNERS[method](model, request)
-    finally:
-        model.train(was_training)
+    return _applied(model, request, _entries(model, request), before)
+
+
+def _copy_for(model: nn.Module, entries: dict[int, dict]) -> nn.Module:
+    """A deep copy of `model` for `entries` to be applied to. It shares (does not copy) the projections of the layers
+    whose entries replace them by new, sliced ones; call `_unshare` after applying."""
     ad = get_adapter(model)
-    if not applied:
-        for i in sorted(entries):
-            apply_entry(ad, i, entries[i])
-    zeroed = zeroed_count(entries, ad)
-    record = PruneRecord(method, scope, int(budget_params), fingerprint(model.config), entries,
-                         before - n_params(model), zeroed, windows_meta(calib_windows))
-    finish(model, record)
-    return record
+    shared = [p for i, e in entries.items() if not edits_in_place(e) for lin in linears(ad, i).values()
+              for p in lin.parameters()]
+    return copy.deepcopy(model, {id(p): p for p in shared})
+
+
+def _unshare(pruned: nn.Module, model: nn.Module) -> None:
+    """Give `pruned` its own clone of every parameter it still shares with `model` (tied ones stay tied)."""
+    own, clones = {id(p) for p in model.parameters()}, {}
+    for module in pruned.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) in own:
+                if id(p) not in clones:
+                    clones[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                setattr(module, name, clones[id(p)])
+
+
+def pruned_copy(model: nn.Module, method: str, budget_params: int, calib_windows: torch.Tensor | None = None,
+                scope: str | None = None, *, batch_size: int = 2,
+                progress: bool = True) -> tuple[nn.Module, PruneRecord]:
+    """A pruned copy of `model` and its PruneRecord, as `prune` on a deep copy would give them; `model` is unchanged.
+
+    Every method but the layer-sequential ones (SEQUENTIAL) scores `model` itself, then copies it without the
+    projections of the layers it prunes (slicing replaces them by new ones; what is left shared is cloned after). So
+    neither the scoring's working memory (LLM-Pruner's gradients: ~4 GB on a 1.5B model in fp32) nor the projections
+    about to be replaced are held beside a full copy. Arguments as for `prune`.
+    """
+    request = _request(model, method, budget_params, calib_windows, scope, batch_size=batch_size,
+                       progress=progress)
+    before = n_params(model)
+    if method in SEQUENTIAL:
+        pruned = copy.deepcopy(model)
+        return pruned, _applied(pruned, request, _entries(pruned, request), before)
+    found = _entries(model, request)
+    pruned = _copy_for(model, found[0])
+    record = _applied(pruned, request, found, before)
+    _unshare(pruned, model)
+    return pruned, record
+
+
+def applied_copy(model: nn.Module, record: PruneRecord) -> nn.Module:
+    """A copy of `model` pruned as `record` says, as `record.apply` on a deep copy would give it (refused, with `model`
+    unchanged, where the record does not fit); the projections the record replaces are never copied."""
+    pruned = _copy_for(model, record.layers)
+    record.apply(pruned)
+    _unshare(pruned, model)
+    return pruned

@@ -187,6 +187,12 @@ def apply_entry(ad: Adapter, i: int, entry: dict) -> None:
         keep_channels(ad, i, list(entry["channels"]), _vector(entry.get("channels_bias"), d))
 
 
+def edits_in_place(entry: dict) -> bool:
+    """Whether `apply_entry` changes a layer's existing weights in place (unstructured zeroing) rather than replacing
+    its projections by new, sliced ones."""
+    return "zeroed" in entry
+
+
 def finish(model: nn.Module, record: PruneRecord) -> None:
     gone = [i for i, e in record.layers.items() if e.get("heads") == []]
     if gone:

@@ -162,12 +162,6 @@ def keep_channels(adapter: Adapter, i: int, keep: list[int], delta: torch.Tensor
         mlp.down_proj = add_bias(mlp.down_proj, delta)
 
 
-
-
-
-
-
-
 def balanced_groups(adapter: Adapter, i: int, removed: list[int]) -> int:
     """How many query heads each KV group of layer i loses when `removed` go; a ValueError unless every group loses
     the same number (query head h reads KV head h // n_rep, so only such removals keep one query-per-KV ratio)."""
