@@ -10,7 +10,14 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from harp_src.report.executed import EXECUTED, check_executed, clean_executed, embedded_figures
+from harp_src.report.executed import (
+    EXECUTED,
+    LINE_LENGTH,
+    check_executed,
+    clean_executed,
+    embedded_figures,
+    wrapped_parameters,
+)
 from harp_src.report.files import ROOT
 from harp_src.report.params import NOTEBOOKS
 from harp_src.runner import profile_parameters
@@ -103,6 +110,21 @@ def test_cleaning_strips_run_noise_and_is_stable():
     assert clean_executed(clean) == clean and nb.cells[0].outputs[1].name == "stderr"  # a copy; stable
     assert hashlib.sha256(nbformat.writes(clean).encode()).hexdigest() == hashlib.sha256(
         nbformat.writes(clean_executed(copy.deepcopy(nb))).encode()).hexdigest()
+
+
+def test_long_injected_parameters_are_wrapped_to_the_same_values():
+    limit = {"smollm2-135m": {f"task_{i}": 1000 + i for i in range(12)}, "gemma3-270m": {"arc_easy": 570}}
+    params = {"SEED": 0, "LIMIT": limit, "TASKS": [f"t{i}" for i in range(30)], "REUSE": True}
+    source = "# Parameters\n" + "\n".join(f"{k} = {json.dumps(v).replace('true', 'True')}" for k, v in params.items())
+    source += "\n"
+    assert max(map(len, source.splitlines())) > LINE_LENGTH
+    wrapped = wrapped_parameters(source, params)
+    assert max(map(len, wrapped.splitlines())) <= LINE_LENGTH and wrapped.endswith("\n")
+    assert wrapped.splitlines()[:2] == ["# Parameters", "SEED = 0"]  # short lines stay as papermill wrote them
+    namespace: dict = {}
+    exec(wrapped, namespace)
+    assert {k: namespace[k] for k in params} == params
+    assert wrapped_parameters(wrapped, params) == wrapped
 
 
 def test_the_readme_links_every_executed_copy():

@@ -3,7 +3,8 @@ gives the same file, kept in figures/notebooks/ beside the figures it made.
 
 Kept: every cell, its outputs (tables, text, the figures `plots.show_saved` embedded with their hashes), execution
 counts and the parameters papermill injected. Stripped: run times and papermill's per-cell timestamps, progress bars
-and warnings (the stderr stream), widget views (their ids are random each run); the injected cell gets a fixed id.
+and warnings (the stderr stream), widget views (their ids are random each run); the injected cell gets a fixed id, and
+its lines longer than the project's line length are wrapped (same values), so the copy stays `ruff` clean.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import base64
 import copy
 import hashlib
+import pprint
 from pathlib import Path
 
 import nbformat
@@ -21,12 +23,27 @@ from .plots import FIGURE_KEY
 EXECUTED = ROOT / "figures" / "notebooks"
 WIDGET = "application/vnd.jupyter.widget-view+json"
 CELL_NOISE = ("papermill", "execution")  # cell metadata that records when and how long a cell ran
+LINE_LENGTH = 120  # pyproject's ruff line-length
 
 
 def _keep(output: dict) -> bool:
     if output.get("output_type") == "stream":
         return output.get("name") != "stderr"
     return WIDGET not in output.get("data", {})
+
+
+def wrapped_parameters(source: str, parameters: dict) -> str:
+    """The injected cell's `source` with each `NAME = value` line longer than LINE_LENGTH rewritten as the same value
+    of `parameters[NAME]` spread over lines (papermill writes each parameter on one line, however long)."""
+    lines = []
+    for line in source.splitlines():
+        name = line.split(" = ", 1)[0]
+        if len(line) > LINE_LENGTH and name in parameters:
+            head = f"{name} = "
+            body = pprint.pformat(parameters[name], width=LINE_LENGTH - len(head), sort_dicts=False)
+            line = head + body.replace("\n", "\n" + " " * len(head))
+        lines.append(line)
+    return "\n".join(lines) + ("\n" if source.endswith("\n") else "")
 
 
 def clean_executed(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
@@ -40,6 +57,7 @@ def clean_executed(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
             cell.metadata.pop(key, None)
         if "injected-parameters" in cell.metadata.get("tags", []):
             cell.id = "injected-parameters"  # papermill gives the cell it adds a random id
+            cell.source = wrapped_parameters(cell.source, nb.metadata.papermill["parameters"])
         if cell.cell_type == "code":
             cell.outputs = [o for o in cell.outputs if _keep(o)]
     return nb
