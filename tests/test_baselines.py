@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from conftest import make_tiny
 from harp_src import apply_harp
-from harp_src.compare.points import with_speeds
+from harp_src.compare.points import rebuild, with_speeds
 from harp_src.measure.timing import REFERENCE, harp_copy, latency_group, latency_pair, shape_key, time_shapes
 from harp_src.model.adapter import fingerprint, get_adapter
 from harp_src.model.modeling_harp import Constant
@@ -21,7 +21,7 @@ from harp_src.pruning.budgets import budgets, capacity
 from harp_src.pruning.flap import compensation
 from harp_src.pruning.llm_pruner import accumulate_gradients, taylor_scores
 from harp_src.pruning.methods import METHODS, SCOPES
-from harp_src.pruning.prune import applied_copy, prune, pruned_copy
+from harp_src.pruning.prune import applied_copy, prune, pruned_copy, shared_copy
 from harp_src.pruning.record import MLP_PROJ, PruneRecord, apply_entry, linears
 from harp_src.pruning.selection import global_entries
 from harp_src.pruning.slicing import keep_channels, units
@@ -117,6 +117,35 @@ def test_pruned_copy_is_pruning_a_copy_and_leaves_the_model_as_it_was(family, me
     assert_close(again.state_dict(), reference.state_dict(), rtol=0, atol=0)
     assert_close(dense.state_dict(), before, rtol=0, atol=0)
     assert not {p.data_ptr() for p in again.parameters()} & {p.data_ptr() for p in dense.parameters()}
+    # for inference beside dense, the same model holding only what pruning replaced (dense stays as it was)
+    shared = shared_copy(dense, record)
+    assert_close(shared.state_dict(), reference.state_dict(), rtol=0, atol=0)
+    assert_close(dense.state_dict(), before, rtol=0, atol=0)
+    assert own_bytes(shared, dense) < own_bytes(again, dense)
+
+
+def own_bytes(model: nn.Module, other: nn.Module) -> int:
+    """Bytes of `model`'s parameters that are not `other`'s tensors."""
+    theirs = {p.data_ptr() for p in other.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.data_ptr() not in theirs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["harp", "harp-mean"])
+def test_a_rebuilt_harp_point_is_the_harp_model_sharing_the_weights_it_keeps(family, method, ids):
+    dense = make_tiny(family)
+    before = {k: v.clone() for k, v in dense.state_dict().items()}
+    n = get_adapter(dense).n_layers
+    alphas = {n - 2: 0.5, n - 1: 0.0}  # one bypass (Gemma: α folded into a norm in place) and one dropped layer
+    expected = copy.deepcopy(dense)
+    apply_harp(expected, sorted(alphas), alphas, bypass="mean" if method == "harp-mean" else "identity")
+    model = rebuild(dense, {"record": None, "alphas": alphas, "method": method})
+    assert_close(model.state_dict(), expected.state_dict(), rtol=0, atol=0)
+    with torch.no_grad():
+        assert_close(model(ids).logits, expected(ids).logits, rtol=0, atol=0)
+    assert_close(dense.state_dict(), before, rtol=0, atol=0)
+    # it owns only the folded o_proj's and the norms; the embedding and every kept projection are dense's
+    assert own_bytes(model, dense) < own_bytes(expected, dense) // 4
 
 
 def test_applied_copy_refuses_a_record_of_another_model_and_leaves_both_unchanged():
@@ -125,6 +154,8 @@ def test_applied_copy_refuses_a_record_of_another_model_and_leaves_both_unchange
     before = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(ValueError, match="another model"):
         applied_copy(other, record)
+    with pytest.raises(ValueError, match="another model"):
+        shared_copy(other, record)
     assert_close(other.state_dict(), before, rtol=0, atol=0)
 
 

@@ -18,15 +18,15 @@ from tqdm.auto import tqdm
 from ..data.corpora import ppl_windows
 from ..eval.fidelity import fidelity_windows, reference_states
 from ..eval.tasks import limits_for, run_tasks
-from ..measure.timing import REFERENCE, shape_key, time_shapes
+from ..measure.timing import REFERENCE, shape_key, time_shapes, trim_heap
 from ..method.accounting import param_report
 from ..method.harp import HarpPlan, apply_harp
 from ..method.layer_choice import layer_scores, lowest_layers
 from ..method.search import search_alphas
 from ..model.adapter import fingerprint
-from ..model.weights import n_params
+from ..model.weights import n_params, sharing_copy
 from ..pruning.methods import METHODS, SCOPES, UNSTRUCTURED
-from ..pruning.prune import applied_copy, pruned_copy
+from ..pruning.prune import pruned_copy, shared_copy
 from ..report.parts import stored_part, stored_step
 
 DENSE, HARP, HARP_BI, HARP_MEAN, PAPER = "dense", "harp", "harp-bi", "harp-mean", "paper"
@@ -141,6 +141,7 @@ def real_drops(config, plans: dict, levels: list[int], quarter: int) -> dict:
 
 def build(dense, recipe: dict, calib):
     """A pruned copy of `dense` and the baseline's record (None for HARP)."""
+    trim_heap()  # the last point's copy and activations go back to the system before this one is built
     if "alphas" not in recipe:
         return pruned_copy(dense, recipe["method"], recipe["budget"], calib, recipe["scope"], progress=False)
     model = copy.deepcopy(dense)
@@ -260,10 +261,12 @@ def with_speeds(runs: pd.DataFrame, speed: dict) -> pd.DataFrame:
 
 # ---------------------------------------------------------------------------------------------- speed
 def rebuild(dense, row: dict):
-    """The pruned model of a measured point, from its record or α's (no calibration needed)."""
+    """The pruned model of a measured point, from its record or α's (no calibration needed), for inference beside
+    `dense`: the weights pruning keeps as they are are `dense`'s own (`sharing_copy`), so timing and task scoring
+    hold one set of them, not two."""
     if row["record"] is not None:
-        return applied_copy(dense, row["record"])
-    model = copy.deepcopy(dense)
+        return shared_copy(dense, row["record"])
+    model = sharing_copy(dense)
     apply_harp(model, sorted(row["alphas"]), row["alphas"], bypass=BYPASS.get(row["method"], "identity"))
     return model
 

@@ -82,7 +82,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give freed memory back to the OS so the next RSS baseline is honest (glibc only; a no-op elsewhere)."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
@@ -106,7 +106,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
             return self
-        _trim_heap()
+        trim_heap()
         self._proc = psutil.Process()
         self._base = self._peak = self._proc.memory_info().rss
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -253,7 +253,7 @@ def _measure_length(models: dict, plan, t: int, *, repeats: int, warmup: int, de
     samples = _decode(models, state, t, decode_steps, steps)
     kv, peak = _memory(state, plan)
     state.clear()  # free the caches before the timed prefills
-    _trim_heap()
+    trim_heap()
     samples += _prefills(models, ids, repeats, steps)
     return _summary_row(samples, dense.config, plan, t, kv, peak), samples
 
@@ -436,6 +436,7 @@ def time_shapes(reference, builders: dict[str, Callable], seq_lens: tuple[int, i
     short, long = seq_lens
     names, out = list(builders), {}
     def one_group(chosen: list[str]) -> dict:
+        trim_heap()  # what earlier work freed goes back to the system before the copies are built
         models = {name: builders[name]() for name in chosen}
         fast = latency_group(reference, models, short, repeats=repeats, decode_steps=0, seed=seed)
         slow = latency_group(reference, models, long, repeats=repeats, warmup=0, decode_steps=decode_steps, seed=seed)
@@ -463,7 +464,7 @@ def _decode_medians(models: dict, prefilled: dict, steps: int, *, repeats: int, 
 
     decodes, _ = interleaved({n: (lambda n=n: decode(n)) for n in models}, repeats, warmup, threads)
     state.clear()
-    _trim_heap()
+    trim_heap()
     return {n: statistics.median(v) / steps for n, v in decodes.items()}, kv
 
 

@@ -1,7 +1,8 @@
-"""Counting and freezing a model's parameters: one implementation each."""
+"""Counting, freezing and sharing a model's parameters: one implementation each."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -28,3 +29,17 @@ def only_trainable(model: nn.Module, params: Iterable[nn.Parameter] = ()) -> Ite
     finally:
         for p, flag in flags.items():
             p.requires_grad_(flag)
+
+
+def sharing_copy(model: nn.Module, keep: Iterable[nn.Module] = ()) -> nn.Module:
+    """A deep copy of `model` whose Linear and Embedding weights are `model`'s own tensors (not copied), except those
+    of the modules in `keep`, which are copied; everything else (norms, buffers, config) is copied.
+
+    For a pruned model used beside its dense one for inference only (timing, evaluation): what pruning replaces by new
+    modules is new in the copy, the rest is held once. Train or edit in place neither model while both are in use;
+    `keep` the modules whose weights the pruning will edit in place.
+    """
+    kept = {id(p) for m in keep for p in m.parameters()}
+    shared = {id(p): p for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))
+              for p in m.parameters(recurse=False) if id(p) not in kept}
+    return copy.deepcopy(model, shared)

@@ -1,5 +1,6 @@
 """`prune(model, method, budget_params, calib_windows, scope)`: the one entry to every baseline, through a registry of
-pruners that share one signature; `pruned_copy` prunes a copy and leaves the model as it was."""
+pruners that share one signature; `pruned_copy` prunes a copy and leaves the model as it was; `applied_copy` and
+`shared_copy` rebuild a pruned copy from its record."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from ..eval.perplexity import check_windows
 from ..model.adapter import fingerprint, get_adapter
-from ..model.weights import n_params
+from ..model.weights import n_params, sharing_copy
 from .budgets import capacity, scoped_layers
 from .calibration import windows_meta
 from .flap import flap
@@ -160,4 +161,16 @@ def applied_copy(model: nn.Module, record: PruneRecord) -> nn.Module:
     pruned = _copy_for(model, record.layers)
     record.apply(pruned)
     _unshare(pruned, model)
+    return pruned
+
+
+def shared_copy(model: nn.Module, record: PruneRecord) -> nn.Module:
+    """The model `record` describes, for inference beside `model` (timing, evaluation): equal to `applied_copy`'s, but
+    the weights the record keeps as they are stay `model`'s own tensors (`sharing_copy`), so it costs only what the
+    pruning replaces. Refused, with `model` unchanged, where the record does not fit. Train or edit neither model in
+    place while both are in use."""
+    ad = get_adapter(model)
+    edited = [lin for i, e in record.layers.items() if edits_in_place(e) for lin in linears(ad, i).values()]
+    pruned = sharing_copy(model, keep=edited)
+    record.apply(pruned)
     return pruned
