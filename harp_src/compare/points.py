@@ -139,12 +139,15 @@ def real_drops(config, plans: dict, levels: list[int], quarter: int) -> dict:
     return {n: r["params_removed"] for n, r in from_plan.items()} | {PAPER: from_plan[quarter]["removed_paper"]}
 
 
-def build(dense, recipe: dict, calib):
-    """A pruned copy of `dense` and the baseline's record (None for HARP)."""
+def build(dense, recipe: dict, calib, *, share: bool = False):
+    """A pruned copy of `dense` and the baseline's record (None for HARP). `share`: for a copy only measured beside
+    `dense`, the weights pruning keeps are `dense`'s own tensors (`sharing_copy`); without it the copy owns all of its
+    weights and may be trained (recovery)."""
     trim_heap()  # the last point's copy and activations go back to the system before this one is built
     if "alphas" not in recipe:
-        return pruned_copy(dense, recipe["method"], recipe["budget"], calib, recipe["scope"], progress=False)
-    model = copy.deepcopy(dense)
+        return pruned_copy(dense, recipe["method"], recipe["budget"], calib, recipe["scope"], progress=False,
+                           share=share)
+    model = sharing_copy(dense) if share else copy.deepcopy(dense)
     apply_harp(model, sorted(recipe["alphas"]), recipe["alphas"], meta={"method": recipe["method"]},
                bypass=BYPASS.get(recipe["method"], "identity"))
     return model, None
@@ -179,7 +182,7 @@ def task_items(run: ModelRun, model, tasks: list[str], limit, shots: int = 0) ->
 
 def measure(run: ModelRun, recipe: dict) -> tuple[dict, pd.DataFrame, list]:
     """Prune one point and measure its quality: (run row, fidelity per window, task items)."""
-    model, record = build(run.dense, recipe, run.calib)
+    model, record = build(run.dense, recipe, run.calib, share=True)
     fid = fidelity_windows(run.dense, model, run.windows, ref_states=run.states, progress=False)
     found = task_items(run, model, *run.tasks_for(recipe))
     row = {k: recipe[k] for k in ("method", "scope", "level", "n_layers")} | {

@@ -20,7 +20,7 @@ from .flap import flap
 from .layer_drop import attention_drop_similar, attention_drop_top, shortgpt
 from .llm_pruner import llm_pruner
 from .magnitude import mag_sp
-from .methods import DATA_FREE, METHODS, SCOPES, SEQUENTIAL, Entries, PruneRequest
+from .methods import DATA_FREE, METHODS, SCOPES, SEQUENTIAL, UNSTRUCTURED, Entries, PruneRequest
 from .record import PruneRecord, apply_entry, edits_in_place, finish, linears, zeroed_count
 from .wanda import wanda, wanda_sp
 
@@ -121,6 +121,12 @@ def _copy_for(model: nn.Module, entries: dict[int, dict]) -> nn.Module:
     return copy.deepcopy(model, {id(p): p for p in shared})
 
 
+def _edited(model: nn.Module, entries: dict[int, dict]) -> list[nn.Module]:
+    """The projections `entries` edit in place (unstructured zeroing): a copy may not share them."""
+    ad = get_adapter(model)
+    return [lin for i, e in entries.items() if edits_in_place(e) for lin in linears(ad, i).values()]
+
+
 def _unshare(pruned: nn.Module, model: nn.Module) -> None:
     """Give `pruned` its own clone of every parameter it still shares with `model` (tied ones stay tied)."""
     own, clones = {id(p) for p in model.parameters()}, {}
@@ -133,25 +139,30 @@ def _unshare(pruned: nn.Module, model: nn.Module) -> None:
 
 
 def pruned_copy(model: nn.Module, method: str, budget_params: int, calib_windows: torch.Tensor | None = None,
-                scope: str | None = None, *, batch_size: int = 2,
-                progress: bool = True) -> tuple[nn.Module, PruneRecord]:
+                scope: str | None = None, *, batch_size: int = 2, progress: bool = True,
+                share: bool = False) -> tuple[nn.Module, PruneRecord]:
     """A pruned copy of `model` and its PruneRecord, as `prune` on a deep copy would give them; `model` is unchanged.
 
     Every method but the layer-sequential ones (SEQUENTIAL) scores `model` itself, then copies it without the
     projections of the layers it prunes (slicing replaces them by new ones; what is left shared is cloned after). So
     neither the scoring's working memory (LLM-Pruner's gradients: ~4 GB on a 1.5B model in fp32) nor the projections
-    about to be replaced are held beside a full copy. Arguments as for `prune`.
+    about to be replaced are held beside a full copy. Arguments as for `prune`, and:
+
+    share: for a copy only measured beside `model` (inference), the weights pruning keeps as they are stay `model`'s
+        own tensors (`sharing_copy`), as in `shared_copy`; train or edit neither model in place while both are in use.
     """
     request = _request(model, method, budget_params, calib_windows, scope, batch_size=batch_size,
                        progress=progress)
     before = n_params(model)
     if method in SEQUENTIAL:
-        pruned = copy.deepcopy(model)
+        # scored on the copy as it is pruned: only pruning that slices (never edits a weight in place) may share
+        pruned = sharing_copy(model) if share and method not in UNSTRUCTURED else copy.deepcopy(model)
         return pruned, _applied(pruned, request, _entries(pruned, request), before)
     found = _entries(model, request)
-    pruned = _copy_for(model, found[0])
+    pruned = sharing_copy(model, keep=_edited(model, found[0])) if share else _copy_for(model, found[0])
     record = _applied(pruned, request, found, before)
-    _unshare(pruned, model)
+    if not share:
+        _unshare(pruned, model)
     return pruned, record
 
 
@@ -169,8 +180,6 @@ def shared_copy(model: nn.Module, record: PruneRecord) -> nn.Module:
     the weights the record keeps as they are stay `model`'s own tensors (`sharing_copy`), so it costs only what the
     pruning replaces. Refused, with `model` unchanged, where the record does not fit. Train or edit neither model in
     place while both are in use."""
-    ad = get_adapter(model)
-    edited = [lin for i, e in record.layers.items() if edits_in_place(e) for lin in linears(ad, i).values()]
-    pruned = sharing_copy(model, keep=edited)
+    pruned = sharing_copy(model, keep=_edited(model, record.layers))
     record.apply(pruned)
     return pruned

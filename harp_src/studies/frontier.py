@@ -177,7 +177,7 @@ def _gold_rows(run: ModelRun, part: dict, quarter: str) -> list[dict]:
             row["alphas"] = dict(zip(plan.layer.astype(int), plan.alpha, strict=True))
         else:
             recipe = dict(method=r.method, scope=r.scope, budget=int(r.budget_params))
-            row["record"] = build(run.dense, recipe, run.calib)[1]
+            row["record"] = build(run.dense, recipe, run.calib, share=True)[1]
         rows.append(row)
     return chosen_rows(rows, p.gold_methods, best)
 
@@ -245,7 +245,7 @@ def _rebuilt_record(run: ModelRun, row) -> object:
     """A baseline point's record, pruned again by its deterministic rule (for parts stored before they kept their
     records), refused unless it gives the measured point's shape."""
     recipe = dict(method=row.method, scope=row.scope, budget=int(row.budget_params))
-    model, record = build(run.dense, recipe, run.calib)
+    model, record = build(run.dense, recipe, run.calib, share=True)
     if shape_key(model, record) != row.shape:
         raise RuntimeError(f"{label(row.method, row.scope)} at {row.level} pruned again gives another shape than "
                            f"its measured point; delete {run.name}'s stored 06 parts to measure it again")
