@@ -402,11 +402,14 @@ def test_time_shapes_builds_a_group_at_a_time_and_times_it_at_both_lengths():
         return build
 
     timed = time_shapes(dense, {"identity": builder("identity"), "mean": builder("mean")}, (8, 16), repeats=1,
-                        decode_steps=2, group=1)
+                        decode_steps=2, groups=[["identity"], ["mean"]])
     assert built == ["identity", "mean"] and set(timed) == {"identity", "mean", REFERENCE}
     for short, long in timed.values():
         assert (short["seq_len"], long["seq_len"]) == (8, 16) and "decode_ms" not in short and long["decode_ms"] > 0
     assert timed["mean"][1]["kv_bytes"] == timed["identity"][1]["kv_bytes"] == timed[REFERENCE][1]["kv_bytes"] / 2
+    with pytest.raises(ValueError, match="must name each of the 2 builders once"):
+        time_shapes(dense, {"identity": builder("identity"), "mean": builder("mean")}, (8, 16), repeats=1,
+                    decode_steps=2, groups=[["identity"]])
 
 
 def test_variant_specs():

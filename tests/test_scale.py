@@ -1,15 +1,19 @@
 """Notebook 09's study (issue 29): its refusals before any model loads, the best baseline, and the scale table's
 differences against dense and against the best baseline, on hand-made tables whose answers are known."""
 
+import copy
 import math
 
 import pandas as pd
 import pytest
-import torch
+from torch import nn
 
-from harp_src.compare.points import TIMING_GROUP, settings_of, timing_group
+from conftest import make_tiny
+from harp_src.compare.points import TIMING_GROUP, pack_groups, rebuild, settings_of, timing_groups
+from harp_src.measure.timing import kv_bytes_formula
 from harp_src.model import loading
 from harp_src.model.loading import PACKAGED, param_count, require_installed
+from harp_src.model.weights import held_bytes, sharing_copy
 from harp_src.studies.frontier import FrontierParams
 from harp_src.studies.scale import (
     BEST_REFERENCE,
@@ -146,9 +150,38 @@ def test_no_structured_baseline_means_no_best():
     assert kl_best(vs[vs.method == "harp-mean"], "m", "N=2") == ""
 
 
-def test_timing_holds_one_pruned_copy_beside_a_large_model_and_six_beside_a_small_one():
-    small = torch.nn.Linear(1000, 1000)  # 4 MB of fp32 weights
-    assert timing_group(small) == TIMING_GROUP
-    assert timing_group(small, budget=3 * 4_004_000) == 2  # dense and two copies fill the budget
-    assert timing_group(small, budget=2 * 4_004_000) == 1
-    assert timing_group(small, budget=1) == 1  # always one copy at least: the round-robin needs one
+def test_timing_groups_put_weight_sharing_copies_together_and_a_full_copy_alone():
+    dense = make_tiny("llama")
+    harp_row = {"record": None, "alphas": {2: 0.5, 3: 0.0}, "method": "harp"}
+    builders = {"harp": lambda: rebuild(dense, harp_row), "full": lambda: copy.deepcopy(dense),
+                "harp-mean": lambda: rebuild(dense, harp_row | {"method": "harp-mean"})}
+    assert timing_groups(dense, builders, 64) == [["harp", "full", "harp-mean"]]  # a tiny model: all at once
+    cache, weights = kv_bytes_formula(dense.config, 64), held_bytes(dense)
+    shared = held_bytes(rebuild(dense, harp_row), dense)  # its norms and buffers only
+    assert 0 < shared < weights / 20
+    # room for the full copy, or for both HARP copies, but not for the full copy beside a HARP copy: first fit
+    budget = 2 * (weights + cache) + cache + shared - 1
+    assert timing_groups(dense, builders, 64, budget) == [["harp", "harp-mean"], ["full"]]
+    assert timing_groups(dense, builders, 64, budget=1) == [["harp"], ["full"], ["harp-mean"]]  # each alone
+
+
+def test_held_bytes_counts_each_storage_once_and_leaves_out_what_a_copy_shares():
+    dense = make_tiny("gemma3")  # tied embeddings: one storage for two parameters
+    own = sum(p.numel() * p.element_size() for p in dense.parameters()) + sum(
+        b.numel() * b.element_size() for b in dense.buffers())
+    assert held_bytes(dense) == own
+    assert held_bytes(copy.deepcopy(dense), dense) == own
+    shared = sharing_copy(dense)
+    copied = [p for m in shared.modules() if not isinstance(m, (nn.Linear, nn.Embedding))
+              for p in m.parameters(recurse=False)] + list(shared.buffers())  # norms and buffers
+    unshared = sum(t.numel() * t.element_size() for t in copied)
+    assert held_bytes(shared, dense) == unshared
+
+
+def test_pack_groups_first_fit_in_order():
+    assert pack_groups(dict.fromkeys("abcdefgh", 0), 0, TIMING_GROUP) == [list("abcdef"), list("gh")]
+    assert pack_groups({"a": 1, "b": 5, "c": 9, "d": 3}, 6, 3) == [["a", "b"], ["c"], ["d"]]
+    assert pack_groups({"a": 1, "b": 5, "c": 9, "d": 3, "e": 2}, 6, 3) == [["a", "b"], ["c"], ["d", "e"]]
+    assert pack_groups({"a": 2, "b": 5, "c": 2}, 6, 3) == [["a", "c"], ["b"]]
+    with pytest.raises(ValueError, match="at least one model"):
+        pack_groups({"a": 1}, 6, 0)

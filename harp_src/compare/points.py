@@ -18,13 +18,13 @@ from tqdm.auto import tqdm
 from ..data.corpora import ppl_windows
 from ..eval.fidelity import fidelity_windows, reference_states
 from ..eval.tasks import limits_for, run_tasks
-from ..measure.timing import REFERENCE, shape_key, time_shapes, trim_heap
+from ..measure.timing import REFERENCE, kv_bytes_formula, shape_key, time_shapes, trim_heap
 from ..method.accounting import param_report
 from ..method.harp import HarpPlan, apply_harp
 from ..method.layer_choice import layer_scores, lowest_layers
 from ..method.search import search_alphas
 from ..model.adapter import fingerprint
-from ..model.weights import n_params, sharing_copy
+from ..model.weights import held_bytes, n_params, sharing_copy
 from ..pruning.methods import METHODS, SCOPES, UNSTRUCTURED
 from ..pruning.prune import pruned_copy, shared_copy
 from ..report.parts import stored_part, stored_step
@@ -36,8 +36,12 @@ FIDELITY = ("kl", "delta_nll", "top1_agreement")  # per enwiki-test window, agai
 LAMBADA = "lambada_openai"
 BEST = "best"  # where a study names points: the baseline closest to dense on enwiki KL (see best_baseline)
 TASK_BATCH = 8  # lm-eval requests per forward
-TIMING_GROUP = 6  # pruned models timed in one round-robin with dense (their copies are held at once)
-COPIES_BYTES = 14 * 2**30  # weights of dense and the group's copies held at once: two fp32 copies of a 1.5B model
+TIMING_GROUP = 6  # pruned models timed in one round-robin with dense, at most (their copies are held at once)
+# what dense and a timing group's copies may hold at once (weights not shared with dense, a KV cache at the long length
+# each): Qwen2.5-Coder-1.5B in fp32 (7.1 GB) with one MLP-pruned copy (3.5-4.5 GB) already fills it, so such a copy
+# is timed alone (15.0 GB peak measured with an 8k prefill), while HARP variants and attention drops, which add
+# little beyond their caches, are timed together
+COPIES_BYTES = 12 * 10**9
 
 
 def label(method: str, scope: str) -> str:
@@ -274,23 +278,48 @@ def rebuild(dense, row: dict):
     return model
 
 
-def timing_group(dense, budget: int = COPIES_BYTES) -> int:
-    """How many pruned copies to time beside `dense` in one round-robin: TIMING_GROUP, fewer where the copies and
-    dense would not fit `budget` bytes of weights (one at a time for a 1.5B model in fp32), at least one."""
-    size = sum(t.numel() * t.element_size() for t in dense.parameters())
-    return max(1, min(TIMING_GROUP, budget // size - 1))
+def pack_groups(sizes: dict[str, int], room: int, most: int) -> list[list[str]]:
+    """Names in groups of at most `most` whose sizes add up to at most `room` (one larger than `room` goes alone):
+    each name, in order, joins the first group it fits (first fit), so where everything fits the groups are the
+    consecutive chunks of `most`."""
+    if most < 1:
+        raise ValueError(f"a group holds at least one model, got most={most}")
+    groups: list[list[str]] = []
+    used: list[int] = []
+    for name, size in sizes.items():
+        fits = [g for g in range(len(groups)) if len(groups[g]) < most and used[g] + size <= room]
+        if fits:
+            groups[fits[0]].append(name)
+            used[fits[0]] += size
+        else:
+            groups.append([name])
+            used.append(size)
+    return groups
+
+
+def timing_groups(dense, builders: dict[str, Callable], long: int, budget: int = COPIES_BYTES) -> list[list[str]]:
+    """The round-robins `speeds` times, each of at most TIMING_GROUP copies, packed in order (`pack_groups`) so that
+    dense and a group's copies hold at most `budget` bytes at once: the weights each copy does not share with dense
+    (`held_bytes`, measured by building the copy once) and one dense-sized KV cache of `long` tokens per model. HARP
+    variants, which share every weight they keep, go together; a 1.5B model's channel-pruned copies one at a time."""
+    cache = kv_bytes_formula(dense.config, long, dtype=next(dense.parameters()).dtype)
+    sizes = {}
+    for name, build in builders.items():
+        sizes[name] = held_bytes(build(), dense) + cache  # the copy is freed at once
+    trim_heap()
+    return pack_groups(sizes, budget - held_bytes(dense) - cache, TIMING_GROUP)
 
 
 def speeds(run: ModelRun, rows: list[dict]) -> dict[str, dict]:
     """{shape: speed-ups, decode speed and KV bytes per token} of every distinct pruned shape and of dense (DENSE),
-    `timing_group` shapes at a time in one round-robin with dense at both prompt lengths, each group a stored
+    the shapes in `timing_groups`, each timed in one round-robin with dense at both prompt lengths and stored as a
     step."""
     p = run.params
     first = {r["shape"]: r for r in reversed(rows)}
     builders = {s: (lambda s=s: rebuild(run.dense, first[s])) for s in dict.fromkeys(r["shape"] for r in rows)}
     timed = time_shapes(run.dense, builders, tuple(p.speed_lens), repeats=p.speed_repeats, seed=p.seed,
-                        decode_steps=p.decode_steps, group=timing_group(run.dense), desc=f"{run.name}: timing",
-                        store=lambda names, compute: run.step({"timing": names}, compute))
+                        decode_steps=p.decode_steps, groups=timing_groups(run.dense, builders, p.speed_lens[1]),
+                        desc=f"{run.name}: timing", store=lambda names, compute: run.step({"timing": names}, compute))
     return {DENSE if k == REFERENCE else k: speed_row(*v, p.speed_lens[1]) for k, v in timed.items()}
 
 

@@ -419,22 +419,27 @@ def shape_key(model, record=None) -> str:
 
 
 def time_shapes(reference, builders: dict[str, Callable], seq_lens: tuple[int, int], *, repeats: int,
-                decode_steps: int, seed: int = 0, group: int = 6, store: Callable | None = None,
+                decode_steps: int, groups: list[list[str]], seed: int = 0, store: Callable | None = None,
                 desc: str = "timing") -> dict[str, tuple[dict, dict]]:
     """Prefill at two prompt lengths (decode at the longer) of many pruned models against `reference`, their dense
-    model: the models are built `group` at a time (their copies are held at once) and each group is timed in one
+    model: the models are built a group at a time (their copies are held at once) and each group is timed in one
     round-robin with the reference (`latency_group`), first at the short length, which warms every model up, then
     at the long one without another warm-up (on a CPU one more long prefill per model costs a minute).
 
     Args:
         builders: {name: function returning a pruned copy}; a name may not be REFERENCE.
+        groups: the names of `builders`, each once, in the groups to time.
         store: called as store(names, compute) per group, returning compute()'s result or a stored one (so an
             interrupted run keeps its finished groups); None: compute.
     Returns:
         {name: (short-length figures, long-length figures)}, the reference's own under REFERENCE (last group's).
     """
+    named = [name for chosen in groups for name in chosen]
+    if sorted(named) != sorted(builders) or not all(groups):
+        raise ValueError(f"groups must name each of the {len(builders)} builders once, in non-empty groups; got "
+                         f"{groups}")
     short, long = seq_lens
-    names, out = list(builders), {}
+    out = {}
     def one_group(chosen: list[str]) -> dict:
         trim_heap()  # what earlier work freed goes back to the system before the copies are built
         models = {name: builders[name]() for name in chosen}
@@ -442,8 +447,7 @@ def time_shapes(reference, builders: dict[str, Callable], seq_lens: tuple[int, i
         slow = latency_group(reference, models, long, repeats=repeats, warmup=0, decode_steps=decode_steps, seed=seed)
         return {name: (fast[name], slow[name]) for name in [*models, REFERENCE]}
 
-    for start in tqdm(range(0, len(names), group), desc=desc):
-        chosen = names[start:start + group]
+    for chosen in tqdm(groups, desc=desc):
         out |= store(chosen, lambda c=chosen: one_group(c)) if store else one_group(chosen)
     return out
 

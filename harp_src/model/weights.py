@@ -43,3 +43,20 @@ def sharing_copy(model: nn.Module, keep: Iterable[nn.Module] = ()) -> nn.Module:
     shared = {id(p): p for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))
               for p in m.parameters(recurse=False) if id(p) not in kept}
     return copy.deepcopy(model, shared)
+
+
+def held_bytes(model: nn.Module, beside: nn.Module | None = None) -> int:
+    """Bytes of memory `model`'s parameters and buffers hold (each storage once), leaving out those stored in
+    `beside`'s own: what a `sharing_copy` adds to memory next to the model it shares with."""
+    theirs = set() if beside is None else {_storage(t) for t in _tensors(beside)}
+    held = {_storage(t): t.untyped_storage().nbytes() for t in _tensors(model)}
+    return sum(size for ptr, size in held.items() if ptr not in theirs)
+
+
+def _tensors(model: nn.Module) -> Iterator:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def _storage(t) -> int:
+    return t.untyped_storage().data_ptr()

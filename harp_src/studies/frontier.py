@@ -255,7 +255,7 @@ def _rebuilt_record(run: ModelRun, row) -> object:
 def timed_rows(run: ModelRun, part: dict) -> list[dict]:
     """A row per distinct pruned shape of a model's finished points, ready for `speeds`: HARP variants rebuilt from
     their α's, baselines from their records. Identity HARP and harp-mean of each level come first, side by side,
-    so each pair shares a round-robin (groups of TIMING_GROUP, an even number)."""
+    so each pair shares a round-robin (`timing_groups` fills groups of TIMING_GROUP, an even number, in order)."""
     runs = part["runs"]
     runs = runs[runs.method != DENSE].drop_duplicates("shape")
     pairs = runs.method.isin([HARP, HARP_MEAN]) & runs.level.str.startswith("N=")
@@ -275,7 +275,7 @@ def timed_rows(run: ModelRun, part: dict) -> list[dict]:
 
 def _timing_part(name: str, p: FrontierParams, part: dict) -> dict:
     """Every distinct shape of a model's finished main and harp-mean points timed against dense (`speeds`: groups
-    of TIMING_GROUP, each group a stored step)."""
+    from `timing_groups`, each group a stored step)."""
     start = time.perf_counter()
     run, _, _ = _setup(name, p, states=False)  # no fidelity here: the dense states are not needed
     speed = speeds(run, timed_rows(run, part))
