@@ -5,6 +5,9 @@ vocabulary and the real SmolLM2 and Gemma-3, each dense and HARP-pruned. Per req
 (fp32) and the same is_greedy; per task: the same metrics.
 """
 
+import itertools
+import math
+import os
 import random
 
 import pytest
@@ -14,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import COMMON, FAMILIES, NO_SDPA, make_tiny, tiny_configs
 from harp_src import apply_harp, load_model
-from harp_src.eval.scoring import plan_blocks, score_requests
-from harp_src.eval.tasks import CLOZE, DISCRIMINATIVE, make_lm, run_tasks, task_requests
+from harp_src.eval.scoring import FORWARD_COST, pack_batches, plan_blocks, score_requests
+from harp_src.eval.tasks import CLOZE, DISCRIMINATIVE, GOLD_BPB, make_lm, run_tasks, task_requests
 from harp_src.measure.evalbench import bench_task, check_task
 from harp_src.model.loading import resolve_source
 
@@ -153,6 +156,90 @@ def test_blocks_share_long_prefixes_and_batch_the_rest():
     assert [[g.members for g in b.groups] for b in blocks] == [[[2], [0, 1]], [[4], [3]]]
     with pytest.raises(ValueError, match="non-empty"):
         score_requests(make_tiny("llama"), [([], [5])])
+
+
+def test_one_odd_context_does_not_cut_the_shared_prefix_of_the_rest():
+    """HumanEval's gold-bpb prompts: all share a header, all but one also share their shots. The odd one sorts first;
+    it runs on its own and the rest share header and shots (saving 3 x 100 tokens, not 4 x 40)."""
+    header, shots = list(range(3, 43)), list(range(50, 110))
+    reqs = [(header + [4, 5], [7, 9])] + [(header + shots + [k], [8, k]) for k in range(3, 7)]
+    blocks = plan_blocks(reqs, min_shared=32)
+    assert [b.shared for b in blocks] == [0, 100]
+    assert [[g.members for g in b.groups] for b in blocks] == [[[0]], [[1], [2], [3], [4]]]
+    model = make_tiny("llama")
+    assert_same_answers(naive(model, reqs), score_requests(model, reqs, min_shared=32), "odd first context")
+
+
+def _every_cut(n: int):
+    """Every way to cut n >= 1 items in a row into consecutive runs, as lists of (first, end)."""
+    for mask in range(2 ** (n - 1)):
+        yield list(itertools.pairwise([0] + [k + 1 for k in range(n - 1) if mask >> k & 1] + [n]))
+
+
+def _best_saving(contexts: list[list[int]], min_shared: int) -> int:
+    """Brute force over every cut of the sorted distinct contexts into runs: the most prefix tokens saved."""
+    ctx = sorted({tuple(c) for c in contexts})
+    best = 0
+    for runs in _every_cut(len(ctx)):
+        total = 0
+        for a, b in runs:
+            run = ctx[a:b]
+            shared = min(len(os.path.commonprefix(run)), min(len(c) for c in run) - 1)
+            total += (len(run) - 1) * shared if shared >= min_shared else 0
+        best = max(best, total)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_blocks_save_the_most_shared_tokens(seed):
+    """Random few-shot-like contexts (shared stems of random lengths, odd ones among them): the plan saves exactly as
+    many prefix tokens as the best of all ways to cut the sorted contexts into runs."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(3, 6) for _ in range(rng.randrange(0, 12))] for _ in range(3)]
+    reqs = [(rng.choice(stems) + [rng.randrange(3, 6) for _ in range(rng.randrange(1, 6))], [7]) for _ in range(8)]
+    blocks = plan_blocks(reqs, min_shared=3)
+    saved = sum((len(b.groups) - 1) * b.shared for b in blocks if b.shared)
+    assert saved == _best_saving([c for c, _ in reqs], min_shared=3)
+    assert sorted(i for b in blocks for g in b.groups for i in g.members) == list(range(len(reqs)))
+
+
+def _batch_cost(widths: list[int], batches: list[tuple[int, int]]) -> int:
+    return sum(FORWARD_COST + (end - first) * widths[end - 1] for first, end in batches)
+
+
+def test_pack_batches_cuts_where_the_widths_jump():
+    short_and_long = [1] * 40 + [20] * 40  # one batch would pad 40 one-token rows to 20
+    assert pack_batches(short_and_long, 10_000) == [(0, 40), (40, 80)]
+    assert pack_batches([3, 100], 50) == [(0, 1), (1, 2)]  # a row wider than the budget runs alone
+    assert pack_batches([], 50) == []
+    batches = pack_batches([5] * 10, 20)
+    assert len(batches) == 3 and all((end - first) * 5 <= 20 for first, end in batches)
+    assert all(end - first <= 2 for first, end in pack_batches([1] * 6, 100, most_rows=2))
+    assert pack_batches([1] * 4, 100, fits=lambda a, b: b - a < 2) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ValueError, match="sorted by width"):
+        pack_batches([3, 1], 50)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_pack_batches_costs_the_least(seed):
+    """Against every way of cutting 8 sorted widths into batches within the budget."""
+    rng = random.Random(seed)
+    widths = sorted(rng.choice([1, 2, 3, 8, 20, 40]) for _ in range(8))
+    budget = rng.choice([40, 100, 1000])
+    best = math.inf
+    for batches in _every_cut(8):
+        if all(end - first == 1 or (end - first) * widths[end - 1] <= budget for first, end in batches):
+            best = min(best, _batch_cost(widths, batches))
+    assert _batch_cost(widths, pack_batches(widths, budget)) == best
+
+
+@pytest.mark.parametrize("task", GOLD_BPB)
+def test_evalbench_gold_bpb_prompts_score_alike(tok, task):
+    """The gold-answer prompts (few-shot blocks of 200-800 tokens, most of them shared) through both scorers. An
+    answer is up to ~150 tokens, its log-likelihood a sum near -1000 here: fp32 rounding allows 1e-6 of that."""
+    row = bench_task(tiny_family("qwen2", tok), tok, task, limit=6, num_fewshot=0, repeats=1, warmup=0, threads=1)
+    assert row["items"] == row["requests"] == 6
+    assert row["max_abs_diff"] <= 1e-3 and row["same_greedy"]
 
 
 def test_evalbench_reports_both_scorers(tok):

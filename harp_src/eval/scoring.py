@@ -8,16 +8,20 @@ Two savings, neither of which changes a number beyond float rounding:
   layers keep no K/V: an identity-bypassed token only reads itself, and a mean-bypassed layer keeps a running sum
   per row that counts only the tokens the attention mask marks real.
 
-Requests are sorted so that shared prefixes are adjacent, then scored in blocks. A block may share a long prefix
-(computed once, batch 1); its groups (requests with one and the same context) are batched, their context remainders
-right-padded, with an attention mask that marks the padding (attention is causal, so no real position would read a
-later padded one, but a mean-bypassed layer's running sum must not count it); then all continuations of the batch
-run on copies of the cache, with an attention mask that hides the padding and explicit positions.
+Requests are sorted so that shared prefixes are adjacent, then scored in blocks, cut where that saves the most
+tokens (plan_blocks). A block may share a long prefix (computed once, batch 1); its groups (requests with one and the
+same context) are batched, cut where the lengths jump so that little is padded (pack_batches), their context
+remainders right-padded, with an attention mask that marks the padding (attention is causal, so no real position
+would read a later padded one, but a mean-bypassed layer's running sum must not count it); then all continuations of
+the batch run on copies of the cache, with an attention mask that hides the padding and explicit positions.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +33,7 @@ from ..model.adapter import get_adapter
 
 Request = tuple[list[int], list[int]]  # (context tokens, continuation tokens), as lm-eval builds them
 MIN_SHARED = 32  # a prefix shorter than this across different contexts is not worth a cache copy
+FORWARD_COST = 32  # what one more forward pass costs, in padded tokens: more, smaller batches pad less
 
 
 @dataclass
@@ -65,34 +70,84 @@ def _groups(requests: list[Request], order: list[int]) -> list[_Group]:
     return groups
 
 
+def _shared_runs(groups: list[_Group], min_shared: int) -> list[tuple[int, int, int]]:
+    """Cut sorted groups into consecutive runs (start, end, shared) that save the most context tokens in all.
+
+    A run of k groups whose contexts share s leading tokens computes them once instead of k times: it saves
+    (k - 1) · s. Contexts are sorted, so a run's shared prefix is the smallest common prefix of neighbours inside
+    it (and at most its shortest context less one token). Dynamic programming over the run ends finds the best cut;
+    a run grown greedily from its first group would let one odd first item (a HumanEval prompt whose shots differ
+    from the rest) cut every later item's shared prefix short. Runs that share fewer than `min_shared` tokens are
+    single groups (shared = 0).
+    """
+    n = len(groups)
+    common = [_common_prefix(groups[k].context, groups[k + 1].context) for k in range(n - 1)]
+    saved = [0] * (n + 1)  # the best saving over groups[:end]
+    last: list[tuple[int, int]] = [(0, 0)]  # (first, shared) of the last run in that best cut
+    for end in range(1, n + 1):
+        saved[end], best = saved[end - 1], (end - 1, 0)
+        shared = len(groups[end - 1].context) - 1
+        for first in range(end - 2, -1, -1):  # the last run is groups[first:end]
+            shared = min(shared, common[first], len(groups[first].context) - 1)
+            if shared < min_shared:
+                break
+            if saved[first] + (end - first - 1) * shared > saved[end]:
+                saved[end], best = saved[first] + (end - first - 1) * shared, (first, shared)
+        last.append(best)
+    runs, end = [], n
+    while end > 0:
+        first, shared = last[end]
+        runs.append((first, end, shared))
+        end = first
+    return runs[::-1]
+
+
 def plan_blocks(requests: list[Request], min_shared: int = MIN_SHARED) -> list[_Block]:
     """Sort requests by their tokens and cut them into blocks: runs of groups that share a prefix of >= min_shared
-    tokens (computed once per block), and between those, blocks of groups that share nothing (shared = 0).
+    tokens (computed once per block, cut where that saves the most tokens, see _shared_runs), and between those,
+    blocks of groups that share nothing (shared = 0).
 
     The shared part stops one token short of the shortest context in the block, so every group has at least its
     last context token left to run (that position predicts the first continuation token).
     """
     order = sorted(range(len(requests)), key=lambda i: (requests[i][0], requests[i][1]))
-    runs: list[_Block] = []
-    for group in _groups(requests, order):
-        if runs:
-            run = runs[-1]
-            shared = min(_common_prefix(run.groups[0].context, group.context), len(group.context) - 1,
-                         min(len(g.context) for g in run.groups) - 1)
-            if shared >= min_shared:
-                run.shared = shared
-                run.groups.append(group)
-                continue
-        runs.append(_Block(0, [group]))
+    groups = _groups(requests, order)
     blocks: list[_Block] = []
-    for run in runs:  # single groups that share no long prefix are batched together
-        if run.shared == 0 and blocks and blocks[-1].shared == 0:
-            blocks[-1].groups += run.groups
+    for first, end, shared in _shared_runs(groups, min_shared):
+        if shared == 0 and blocks and blocks[-1].shared == 0:  # single groups that share no long prefix are batched
+            blocks[-1].groups += groups[first:end]
         else:
-            blocks.append(run)
+            blocks.append(_Block(shared, groups[first:end]))
     for block in blocks:  # similar lengths side by side: less padding in each batch
         block.groups.sort(key=lambda g: (len(g.context), max(len(requests[i][1]) for i in g.members)))
     return blocks
+
+
+def pack_batches(widths: list[int], max_tokens: int, most_rows: int | None = None,
+                 fits: Callable[[int, int], bool] | None = None) -> list[tuple[int, int]]:
+    """Cut rows sorted by width (ascending) into consecutive batches (first, end) that cost the fewest padded tokens.
+
+    A batch runs as one right-padded forward: it costs FORWARD_COST plus rows × its widest row. A batch of several
+    rows must hold at most `max_tokens` padded tokens and `most_rows` rows, and pass `fits(first, end)` (a test
+    that only gets harder as a batch grows); one row always runs. Cutting where the widths jump, rather than when a
+    batch is full, keeps short multiple-choice continuations from being padded to the longest one of their batch.
+    """
+    if any(a > b for a, b in itertools.pairwise(widths)):
+        raise ValueError("pack_batches needs the rows sorted by width, shortest first")
+    cost, start = [0] + [math.inf] * len(widths), [0] * (len(widths) + 1)
+    for end in range(1, len(widths) + 1):
+        for first in range(end - 1, -1, -1):  # the last batch is rows first..end-1; its widest row is the last
+            rows = end - first
+            if rows > 1 and (rows * widths[end - 1] > max_tokens or (most_rows is not None and rows > most_rows)
+                             or (fits is not None and not fits(first, end))):
+                break
+            if cost[first] + FORWARD_COST + rows * widths[end - 1] < cost[end]:
+                cost[end], start[end] = cost[first] + FORWARD_COST + rows * widths[end - 1], first
+    batches, end = [], len(widths)
+    while end > 0:
+        batches.append((start[end], end))
+        end = start[end]
+    return batches[::-1]
 
 
 def _select_rows(cache, index: list[int], device: torch.device):
@@ -127,16 +182,14 @@ class _Scorer:
         out = self.decoder(input_ids=ids, cache=cache, use_cache=True, attention_mask=mask, position_ids=positions)
         return out.last_hidden_state
 
-    def fits(self, block: _Block, groups: list[_Group]) -> bool:
-        """Whether `groups` may share one padded batch: their context remainders within the token budget, and (for
-        sliding-window layers, whose window is counted in padded positions) no padded row longer than the window."""
-        if len(groups) == 1:
+    def window_fits(self, groups: list[_Group]) -> bool:
+        """Whether `groups` may share one padded batch under sliding-window layers, whose window is counted in padded
+        positions: no padded row (context and continuation) as long as the window."""
+        window = self.ad.sliding_window
+        if window is None or len(groups) == 1:
             return True
         width = max(len(g.context) for g in groups)
-        window = self.ad.sliding_window
-        if window is not None and width + max(len(self.requests[i][1]) for g in groups for i in g.members) >= window:
-            return False
-        return len(groups) * (width - block.shared) <= self.max_batch_tokens
+        return width + max(len(self.requests[i][1]) for g in groups for i in g.members) < window
 
     def run_block(self, block: _Block) -> None:
         shared_cache = None
@@ -144,14 +197,11 @@ class _Scorer:
             prefix = torch.tensor([block.groups[0].context[: block.shared]], device=self.device)
             shared_cache = _new_cache(self.model)
             self.forward(prefix, shared_cache)
-        batch: list[_Group] = []
-        for group in block.groups:
-            if batch and not self.fits(block, batch + [group]):
-                self.run_batch(block.shared, shared_cache, batch)
-                batch = []
-            batch.append(group)
-        if batch:
-            self.run_batch(block.shared, shared_cache, batch)
+        groups = block.groups  # sorted by context length: so are the remainders after the shared prefix
+        widths = [len(g.context) - block.shared for g in groups]
+        for first, end in pack_batches(widths, self.max_batch_tokens,
+                                       fits=lambda a, b: self.window_fits(groups[a:b])):
+            self.run_batch(block.shared, shared_cache, groups[first:end])
 
     def run_batch(self, shared: int, shared_cache, groups: list[_Group]) -> None:
         """Context remainders of `groups` (one row each), then every continuation on a copy of its row's cache."""
@@ -182,22 +232,15 @@ class _Scorer:
     def continuations(self, shared: int, cache, rests: list[list[int]], rows: list[tuple[int, int]]) -> dict:
         """{request: (log-prob of continuation tokens 2.., all of them greedy)} for requests with > 1 token.
 
-        `rows` come sorted by continuation length, so each chunk pads little; a chunk holds at most max_batch_tokens
-        new tokens and four times that many cached positions (the cache is copied once per row).
+        `rows` come sorted by continuation length and are cut into chunks by pack_batches; a chunk holds at most
+        max_batch_tokens new tokens and four times that many cached positions (the cache is copied once per row).
         """
-        out: dict[int, tuple[float, bool]] = {}
         width = max((len(r) for r in rests), default=0)
-        chunk: list[tuple[int, int]] = []
-        for row in rows:
-            steps = len(self.requests[row[1]][1]) - 1
-            grown = len(chunk) + 1
-            full = grown * steps > self.max_batch_tokens or grown * (shared + width) > 4 * self.max_batch_tokens
-            if chunk and full:
-                out |= self.continuation_chunk(shared, cache, rests, chunk, width)
-                chunk = []
-            chunk.append(row)
-        if chunk:
-            out |= self.continuation_chunk(shared, cache, rests, chunk, width)
+        steps = [len(self.requests[i][1]) - 1 for _, i in rows]
+        most_rows = 4 * self.max_batch_tokens // (shared + width)
+        out: dict[int, tuple[float, bool]] = {}
+        for first, end in pack_batches(steps, self.max_batch_tokens, most_rows):
+            out |= self.continuation_chunk(shared, cache, rests, rows[first:end], width)
         return out
 
     def continuation_chunk(self, shared: int, cache, rests, chunk, width: int) -> dict:

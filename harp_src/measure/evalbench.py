@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import statistics
 
-from ..eval.tasks import CLOZE, DISCRIMINATIVE, PAPER_SHOTS, available_tasks, make_lm, task_requests
+from ..eval.tasks import CLOZE, DISCRIMINATIVE, GOLD_BPB, PAPER_SHOTS, available_tasks, make_lm, task_requests
 from .timing import interleaved
 
-SCORED = DISCRIMINATIVE + CLOZE  # tasks whose requests are log-likelihoods (the fast scorer's part)
+SCORED = DISCRIMINATIVE + CLOZE + GOLD_BPB  # tasks whose requests are log-likelihoods (the fast scorer's part)
 
 
 def check_task(task: str) -> str:
