@@ -216,6 +216,7 @@ def test_pack_batches_cuts_where_the_widths_jump():
     assert len(batches) == 3 and all((end - first) * 5 <= 20 for first, end in batches)
     assert all(end - first <= 2 for first, end in pack_batches([1] * 6, 100, most_rows=2))
     assert pack_batches([1] * 4, 100, fits=lambda a, b: b - a < 2) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert pack_batches([1] * 40 + [20] * 40, 10_000, forward_cost=1000) == [(0, 80)]  # a pass dearer than padding
     with pytest.raises(ValueError, match="sorted by width"):
         pack_batches([3, 1], 50)
 

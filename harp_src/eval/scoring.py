@@ -33,7 +33,9 @@ from ..model.adapter import get_adapter
 
 Request = tuple[list[int], list[int]]  # (context tokens, continuation tokens), as lm-eval builds them
 MIN_SHARED = 32  # a prefix shorter than this across different contexts is not worth a cache copy
-FORWARD_COST = 32  # what one more forward pass costs, in padded tokens: more, smaller batches pad less
+# what one more forward pass through the layers costs, in padded tokens: all the weights are read once per pass, and
+# on 2 CPU cores that takes about as long as computing ~32 tokens. The LM head, read once per pass too, adds its share
+FORWARD_COST = 32
 
 
 @dataclass
@@ -124,10 +126,11 @@ def plan_blocks(requests: list[Request], min_shared: int = MIN_SHARED) -> list[_
 
 
 def pack_batches(widths: list[int], max_tokens: int, most_rows: int | None = None,
-                 fits: Callable[[int, int], bool] | None = None) -> list[tuple[int, int]]:
+                 fits: Callable[[int, int], bool] | None = None, forward_cost: float = FORWARD_COST
+                 ) -> list[tuple[int, int]]:
     """Cut rows sorted by width (ascending) into consecutive batches (first, end) that cost the fewest padded tokens.
 
-    A batch runs as one right-padded forward: it costs FORWARD_COST plus rows × its widest row. A batch of several
+    A batch runs as one right-padded forward: it costs `forward_cost` plus rows × its widest row. A batch of several
     rows must hold at most `max_tokens` padded tokens and `most_rows` rows, and pass `fits(first, end)` (a test
     that only gets harder as a batch grows); one row always runs. Cutting where the widths jump, rather than when a
     batch is full, keeps short multiple-choice continuations from being padded to the longest one of their batch.
@@ -141,8 +144,8 @@ def pack_batches(widths: list[int], max_tokens: int, most_rows: int | None = Non
             if rows > 1 and (rows * widths[end - 1] > max_tokens or (most_rows is not None and rows > most_rows)
                              or (fits is not None and not fits(first, end))):
                 break
-            if cost[first] + FORWARD_COST + rows * widths[end - 1] < cost[end]:
-                cost[end], start[end] = cost[first] + FORWARD_COST + rows * widths[end - 1], first
+            if cost[first] + forward_cost + rows * widths[end - 1] < cost[end]:
+                cost[end], start[end] = cost[first] + forward_cost + rows * widths[end - 1], first
     batches, end = [], len(widths)
     while end > 0:
         batches.append((start[end], end))
@@ -173,6 +176,9 @@ class _Scorer:
         self.device = next(model.parameters()).device
         self.max_batch_tokens, self.softmax_dtype = max_batch_tokens, softmax_dtype
         self.results: dict[int, tuple[float, bool]] = {}
+        # Gemma-3's 262k-token head has more weights than its layers: each extra pass costs that much more
+        body = sum(p.numel() for p in self.ad.layers.parameters())
+        self.forward_cost = FORWARD_COST * (1 + model.get_output_embeddings().weight.numel() / max(body, 1))
 
     def log_probs(self, normed: torch.Tensor) -> torch.Tensor:
         """Log-softmax over the vocabulary of final-normed states [n, d] -> [n, vocab]."""
@@ -199,8 +205,8 @@ class _Scorer:
             self.forward(prefix, shared_cache)
         groups = block.groups  # sorted by context length: so are the remainders after the shared prefix
         widths = [len(g.context) - block.shared for g in groups]
-        for first, end in pack_batches(widths, self.max_batch_tokens,
-                                       fits=lambda a, b: self.window_fits(groups[a:b])):
+        for first, end in pack_batches(widths, self.max_batch_tokens, fits=lambda a, b: self.window_fits(groups[a:b]),
+                                       forward_cost=self.forward_cost):
             self.run_batch(block.shared, shared_cache, groups[first:end])
 
     def run_batch(self, shared: int, shared_cache, groups: list[_Group]) -> None:
@@ -239,7 +245,7 @@ class _Scorer:
         steps = [len(self.requests[i][1]) - 1 for _, i in rows]
         most_rows = 4 * self.max_batch_tokens // (shared + width)
         out: dict[int, tuple[float, bool]] = {}
-        for first, end in pack_batches(steps, self.max_batch_tokens, most_rows):
+        for first, end in pack_batches(steps, self.max_batch_tokens, most_rows, forward_cost=self.forward_cost):
             out |= self.continuation_chunk(shared, cache, rests, rows[first:end], width)
         return out
 
