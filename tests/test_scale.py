@@ -14,6 +14,7 @@ from harp_src.measure.timing import kv_bytes_formula
 from harp_src.model import loading
 from harp_src.model.loading import PACKAGED, param_count, require_installed
 from harp_src.model.weights import held_bytes, sharing_copy
+from harp_src.report.plots import curves_with_intervals, short_count
 from harp_src.studies.frontier import FrontierParams
 from harp_src.studies.scale import (
     BEST_REFERENCE,
@@ -104,6 +105,23 @@ def test_scale_table_sets_harp_against_dense_and_the_best_baseline_per_metric():
     assert lam_best.baseline == "flap [mlp]" and math.isclose(lam_best.diff, -0.05)
     assert (lam_best.ci_low, lam_best.ci_high) == (-0.11, 0.01)
     assert (S.params == 1000).all() and (S.method == "harp").all()
+
+
+def test_scale_figure_ticks_the_model_sizes_and_names_each_line_by_its_reference():
+    S = pd.DataFrame({"params": [134_515_008, 268_098_176, 1_777_088_000] * 2, "diff": [0.1, 0.2, 0.3] * 2,
+                      "ci_low": [0.0] * 6, "ci_high": [0.4] * 6, "reference": ["dense"] * 3 + [BEST_REFERENCE] * 3,
+                      "method": ["harp"] * 6, "metric": ["kl"] * 6})
+    fig = curves_with_intervals(S, "params", "diff", "ci_low", "ci_high", hue="reference", style="method",
+                                col="metric", title="t", xlabel="x", ylabel="y", logx=True, zero=True)
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    assert list(ax.get_xticks()) == [134_515_008, 268_098_176, 1_777_088_000]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["135M", "268M", "1.8B"]
+    assert not any(t.get_text() for t in ax.get_xticklabels(minor=True))  # no 3×10⁸, 4×10⁸ ... running together
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["dense", BEST_REFERENCE]  # one method: no "· harp"
+    assert legend.get_title().get_text() == "reference"
+    assert [short_count(v) for v in (512, 2048, 30_000, 5e6, 1.2e9, -3e6)] == ["512", "2k", "30k", "5M", "1.2B", "-3M"]
 
 
 def test_smaller_models_are_empty_until_06_has_its_frontier_tables(tmp_path):

@@ -301,18 +301,37 @@ def curves_with_intervals(df: pd.DataFrame, x: str, y: str, low: str, high: str,
         for (h, s), part in df[df[col] == name].groupby([hue, style], sort=False):
             part = part.sort_values(x)
             ax.errorbar(part[x], part[y], yerr=[part[y] - part[low], part[high] - part[y]], color=colors[h],
-                        marker=marks[s], ls=lines[s], ms=5, capsize=3, lw=1.2, label=f"{h} · {s}")
+                        marker=marks[s], ls=lines[s], ms=5, capsize=3, lw=1.2,
+                        label=f"{h} · {s}" if len(styles) > 1 else str(h))
         ax.set(title=str(name), xlabel=xlabel, ylabel=ylabel)
         if logy:
             ax.set_yscale("log")
         if logx:
-            ax.set_xscale("log")
+            _log_x_at(ax, sorted(df[x].unique()))
         if zero:
             ax.axhline(0, color="grey", lw=0.8, zorder=0)
-    axes[0, -1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    axes[0, -1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), title=hue, title_fontsize=7)
     fig.suptitle(title, y=1.02)
     fig.tight_layout()
     return fig
+
+
+def short_count(v: float) -> str:
+    """A count in a few characters: 135M, 1.8B, 512k."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= size:
+            return f"{v / size:.2g}{unit}" if abs(v) < 10 * size else f"{v / size:.0f}{unit}"
+    return f"{v:g}"
+
+
+def _log_x_at(ax, values: list[float]) -> None:
+    """A log x axis ticked at the plotted values when they are few (model sizes, say), else at powers of ten: the
+    default minor labels (3×10⁸, 4×10⁸, ...) run into each other across a short span."""
+    ax.set_xscale("log")
+    if len(values) <= 8:
+        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(values))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: short_count(v)))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
 def _tokens_label(n: int) -> str:
