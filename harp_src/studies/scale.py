@@ -53,8 +53,10 @@ from ..report.parts import steps_summary
 GEN_TASK = "gsm8k"
 GEN_SHOTS = 5  # lm-eval's GSM8K prompt: 5 worked examples
 SCALE_METRICS = ("kl", "lambada_openai", "arc_easy", "gsm8k_gold_bpb", "humaneval_gold_bpb")
-SCALE_TITLES = {"kl": "enwiki KL to dense (lower is better)", "lambada_openai": "LAMBADA accuracy",
-                "arc_easy": "ARC-Easy accuracy", "gsm8k_gold_bpb": "GSM8K gold bits per byte (lower is better)",
+SCALE_TITLES = {"kl": "enwiki KL to dense (lower is better)",
+                "lambada_openai": "LAMBADA accuracy (higher is better)",
+                "arc_easy": "ARC-Easy accuracy (higher is better)",
+                "gsm8k_gold_bpb": "GSM8K gold bits per byte (lower is better)",
                 "humaneval_gold_bpb": "HumanEval gold bits per byte (lower is better)"}
 BEST_REFERENCE = "best baseline"
 SCALE_COLUMNS = ["model", "params", "metric", "method", "reference", "diff", "ci_low", "ci_high", "n"]
