@@ -5,6 +5,10 @@
     python -m harp_src ppl --model smollm2-135m [--plan plan.json] [--corpus lee]
     python -m harp_src timing --model smollm2-135m --layers top:8 --seq-lens 1024,4096,16384 [--csv rows.csv]
     python -m harp_src evalbench --model smollm2-135m --tasks arc_easy --limit 200 [--fewshot 0] [--threads 2]
+    python -m harp_src --cleanup DIR    (remove what interrupted saves of DIR left beside it)
+
+Every output (--save, --out, --csv) is checked before any work starts, and --save DIR is claimed until the command
+ends: a second command saving to DIR meanwhile is refused.
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import signal
 import sys
+import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
-from .checkpoints import check_save_target, load_model, save_checkpoint
+from .checkpoints import cleanup, load_model, save_checkpoint, save_claim
 from .data.corpora import ppl_windows
 from .eval.perplexity import perplexity
 from .measure.evalbench import bench_task, check_task
@@ -24,13 +31,13 @@ from .measure.flops import search_flops
 from .measure.search_bench import benchmark_search
 from .measure.timing import check_threads, compare, harp_copy
 from .method.accounting import param_report
-from .method.harp import HarpPlan, apply_harp, check_bypass
+from .method.harp import HarpPlan, apply_harp, check_bypass, check_kv_kept
 from .method.layers import check_layers, parse_layer_key
 from .method.search import GRID, search_alphas
 from .model.adapter import fingerprint, get_adapter
 from .model.loading import model_info
 from .model.paper import llama31_8b_config
-from .report.files import atomic_path
+from .report.files import atomic_path, check_writable
 from .report.results import run_info
 
 
@@ -98,10 +105,9 @@ def cmd_prune(args) -> dict:
     alphas = parse_alphas(args.alphas)
     check_bypass(args.bypass)
     check_plan_target(args.out)
-    if args.save:
-        check_save_target(args.save, args.overwrite)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     layers = check_layers(get_adapter(model), args.layers)
+    check_kv_kept(get_adapter(model), layers, args.bypass)
     out = {"model": model_info(model), "layers": layers}
     if args.ppl:
         out["ppl_before"] = _ppl(model, tok, args)
@@ -150,10 +156,9 @@ def cmd_search(args) -> dict:
         raise ValueError("--compare-naive benchmarks the identity bypass's search; drop --bypass or --compare-naive")
     check_threads(args.threads)
     check_plan_target(args.out)
-    if args.save:
-        check_save_target(args.save, args.overwrite)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     layers = check_layers(get_adapter(model), args.layers)
+    check_kv_kept(get_adapter(model), layers, args.bypass)
     calib = ppl_windows(tok, args.corpus, "train", args.n_windows, args.seq_len, args.seed)
     out = {"model": model_info(model), "layers": layers, "calib": f"{args.corpus}/train", "n_windows": args.n_windows,
            "seq_len": args.seq_len, "seed": args.seed}
@@ -247,7 +252,10 @@ def _add_evalbench(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m harp_src", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--cleanup", metavar="DIR", help="remove what interrupted saves of DIR left beside it "
+                                                         "(hidden .partial folders; an old checkpoint set aside is "
+                                                         "put back) and exit")
+    sub = parser.add_subparsers(dest="command")
     prune = sub.add_parser("prune", help="apply HARP to a model, print savings (and PPL), save the plan")
     _model_args(prune)
     prune.add_argument("--layers", required=True, help="top:N, bottom:N, a-b or a,b,c (0-based)")
@@ -313,13 +321,47 @@ def one_line(err: BaseException) -> str:
     return text or type(err).__name__
 
 
+def claim_outputs(stack: ExitStack, args: argparse.Namespace) -> None:
+    """Check every output before any work starts, naming the user's path; hold the claim on --save until the
+    command ends (a second save to the same folder is refused meanwhile)."""
+    for flag in ("out", "csv"):
+        path = getattr(args, flag, None)
+        if path:
+            check_writable(path, f"--{flag} {path}")
+    if getattr(args, "save", None):
+        stack.enter_context(save_claim(args.save, args.overwrite))
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.cleanup is not None:
+        if args.command:
+            raise ValueError("--cleanup DIR runs alone; give it without a command")
+        return {"directory": args.cleanup, "cleaned_up": cleanup(args.cleanup)}
+    with ExitStack() as stack:
+        claim_outputs(stack, args)
+        return args.func(args)
+
+
+def terminated(signum, frame) -> None:
+    """SIGTERM ends the command as an error would: temporary folders are removed and claims released on the way."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None and args.cleanup is None:
+        parser.error("give a command (prune, search, ppl, timing, evalbench) or --cleanup DIR")
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
     try:
-        result = args.func(args)
+        result = run(args)
     except EXPECTED as err:
         print(json.dumps({"error": one_line(err)}, ensure_ascii=False), file=sys.stderr)
         return 2
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(json.dumps(result, indent=1, default=str))
     return 0
 

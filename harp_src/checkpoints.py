@@ -3,7 +3,9 @@ checkpoint only after its plan has been checked against its structure.
 
 What goes into a checkpoint, and how it is rebuilt, lives in `modeling_harp` (the file the checkpoint carries).
 Saving never deletes what it did not write: an existing folder is replaced only if it is a checkpoint of this
-project holding nothing else, and only when asked (`overwrite`), after the new one is complete.
+project holding nothing else, and only when asked (`overwrite`), after the new one is complete, in one step. A save
+claims its folder first (`save_claim`): a second save to it, from any process, is refused while the first runs, and
+what an interrupted save left beside it is removed by the next save or by `cleanup`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import fnmatch
 import json
 import os
 import shutil
-import tempfile
-import uuid
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,14 +29,23 @@ from .method.harp import HarpPlan
 from .model.loading import load_pretrained, resolve_source
 from .model.modeling_harp import CLASSES, PLAN, STRUCTURE, describe, mark_pruned
 from .pruning.record import PruneRecord
-from .report.files import ROOT, read_json, set_default_modes
+from .report.files import (
+    ROOT,
+    check_writable,
+    claimed,
+    clean_leftovers,
+    partial_dir,
+    put_in_place,
+    read_json,
+    set_default_modes,
+)
 
 # The files a checkpoint consists of (model, config, this repository's modeling file, tokenizer); anything else in a
 # folder is somebody's, and the folder is never replaced.
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
-                    "model.safetensors.index.json", "modeling_harp.py", "tokenizer.json", "tokenizer_config.json",
-                    "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
-                    "added_tokens.json")
+                    "model.safetensors.index.json", "modeling_harp.py", "modeling_harp_checks.py", "tokenizer.json",
+                    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json",
+                    "merges.txt", "tokenizer.model", "added_tokens.json")
 # The registry of plan kinds a checkpoint's config.json can carry (`harp_plan`: {kind: dict}), filled here, where
 # checkpoints are loaded, so restoring a plan never depends on which modules happen to have been imported.
 PLAN_KINDS: dict[str, type] = {"harp": HarpPlan, "baseline": PruneRecord}
@@ -108,20 +119,33 @@ def check_save_target(directory: str | os.PathLike, overwrite: bool = False) -> 
     return target
 
 
-def _move_into_place(new: Path, target: Path) -> None:
-    """Put the complete folder `new` at `target`; an existing target is set aside first and removed only after
-    the new one is in place (restored if that fails)."""
-    if not target.exists():
-        os.rename(new, target)
-        return
-    old = target.with_name(f".{target.name}.replaced-{uuid.uuid4().hex[:8]}")
-    os.rename(target, old)
-    try:
-        os.rename(new, target)
-    except BaseException:
-        os.rename(old, target)
-        raise
-    shutil.rmtree(old)
+@contextmanager
+def save_claim(directory: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Claim a checkpoint folder while inside, after checking that it may be written (`check_save_target`) and can
+    be (`check_writable`): another save to it, from this or any other process, is refused at once. The CLI holds the
+    claim from before its work starts until the checkpoint is in place. Yields the target, absolute."""
+    check_save_target(directory, overwrite)
+    check_writable(directory, str(directory), folder=True)
+    with claimed(directory, str(directory)) as target:
+        yield target
+
+
+def cleanup(directory: str | os.PathLike) -> list[str]:
+    """Remove what interrupted saves of `directory` left beside it (hidden `.partial` folders, an old checkpoint set
+    aside, which is put back if nothing is at `directory`); refused while a save of it runs. Returns the names."""
+    target = Path(os.path.abspath(os.fspath(directory)))
+    if not target.parent.is_dir():
+        return []
+    with claimed(target, str(directory)):
+        return clean_leftovers(target)
+
+
+def write_partial(model: nn.Module, tokenizer, folder: Path) -> None:
+    """Write the checkpoint's files into `folder` (not yet at its place), with the usual file modes."""
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    set_default_modes(folder)  # temporary folders and safetensors' files are private; a checkpoint is shared
 
 
 def save_checkpoint(model: nn.Module, directory: str | os.PathLike, tokenizer=None, overwrite: bool = False) -> dict:
@@ -129,9 +153,11 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, tokenizer=No
     its plan and structure in config.json and the modeling file; a model with no plan is saved as an ordinary dense
     checkpoint, with a warning.
 
-    The checkpoint is written into a temporary sibling folder and moved into place when complete, so a failed save
-    leaves `directory` as it was. An existing folder is refused unless it is empty, or a checkpoint of this project
-    holding nothing else and `overwrite` is True (see `check_save_target`).
+    The folder is claimed first (`save_claim`: a concurrent save to it is refused), the checkpoint is written into a
+    hidden sibling folder and, when complete, swapped with the old one in a single rename, so a reader or a kill at any
+    moment finds the old checkpoint or the new one at `directory`, and a failed save leaves it as it was. An existing
+    folder is refused unless it is empty, or a checkpoint of this project holding nothing else and `overwrite` is True
+    (see `check_save_target`). Leftovers of interrupted saves of the same folder are removed first.
 
     Args:
         model: a causal LM, typically after `apply_harp` or `pruning.prune.prune`.
@@ -139,7 +165,8 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, tokenizer=No
         tokenizer: saved beside the weights (default: the one `load_model` attached to the model, if any).
         overwrite: replace an existing checkpoint of this project at `directory`.
     Returns:
-        dict: directory, pruned (bool), weights_bytes (the safetensors files' size).
+        dict: directory, pruned (bool), weights_bytes (the safetensors files' size), and cleaned_up (what earlier,
+        interrupted saves had left) where there was something.
     """
     target = check_save_target(directory, overwrite)
     pruned = has_plan(model)
@@ -150,17 +177,19 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, tokenizer=No
         warnings.warn("this model has no HARP plan or baseline record: saving an ordinary dense checkpoint",
                       stacklevel=2)
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "harp_tokenizer", None)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        set_default_modes(tmp)  # temporary folders and safetensors' files are private; a checkpoint is shared
-        _move_into_place(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return {"directory": str(directory), "pruned": pruned, "weights_bytes": weights_bytes(target)}
+    with save_claim(directory, overwrite):
+        cleaned = clean_leftovers(target)
+        check_save_target(directory, overwrite)  # again, now that no other save can change it
+        tmp = partial_dir(target)
+        try:
+            write_partial(model, tokenizer, tmp)
+            put_in_place(tmp, target)  # from here on `tmp` holds the replaced checkpoint, if there was one
+        except OSError as err:  # name the user's folder, not the temporary one
+            raise OSError(err.errno, f"cannot save the checkpoint to {directory}: {err.strerror or err}") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"directory": str(directory), "pruned": pruned, "weights_bytes": weights_bytes(target)} | (
+        {"cleaned_up": cleaned} if cleaned else {})
 
 
 def weights_bytes(directory: str | os.PathLike) -> int:

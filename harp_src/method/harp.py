@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from ..model.adapter import Adapter, check_fingerprint, fingerprint, get_adapter, mark_kv_free, text_config
-from ..model.modeling_harp import MIXINGS, BypassAttention, DroppedAttention, mark_pruned
+from ..model.modeling_harp import MIXINGS, BypassAttention, DroppedAttention, kind_of, mark_pruned
 from ..report.files import check_object, read_json, write_text
 from .layers import check_layers, is_integer, is_number, parse_layer_key
 
 # ---------------------------------------------------------------------------------------------- the plan
 PLAN_KEYS = ("fingerprint", "alphas", "fold", "meta", "bypass")
+PLAN_MAX_BYTES = 1 << 20  # a plan of a 100-layer model with its provenance is a few kB
 
 
 def check_alpha(layer, a) -> float:
@@ -119,7 +120,7 @@ class HarpPlan:
     @classmethod
     def from_json(cls, path: str | Path) -> HarpPlan:
         """Read a plan file (from `to_json`, `prune --out` or `search --out`), refusing anything malformed."""
-        return cls.from_dict(read_json(path, "plan file"), f"plan file {path}")
+        return cls.from_dict(read_json(path, "plan file", PLAN_MAX_BYTES), f"plan file {path}")
 
 
 def check_bypass(bypass) -> str:
@@ -127,6 +128,19 @@ def check_bypass(bypass) -> str:
     if bypass not in MIXINGS:
         raise ValueError(f"unknown bypass {bypass!r}: choose one of {list(MIXINGS)}")
     return bypass
+
+
+def check_kv_kept(adapter: Adapter, layers: list[int], bypass: str) -> None:
+    """Refuse a mean bypass that would leave no layer with its attention (and so its K/V cache slot): transformers
+    builds the cache that holds the running sums beside at least one ordinary slot, so `generate()` could not run."""
+    if bypass != "mean":
+        return
+    kept = [i for i in range(adapter.n_layers) if i not in layers and kind_of(adapter.attention(i)) is None]
+    if not kept:
+        raise ValueError(f"the mean bypass needs at least one layer that keeps its attention (its K/V cache slot "
+                         f"carries the running sums' cache), and these layers would leave none of the model's "
+                         f"{adapter.n_layers}: bypass at most {adapter.n_layers - 1} layers, or use the identity "
+                         "bypass")
 
 
 def _check_alphas(layers: list[int], alphas: float | dict[int, float]) -> dict[int, float]:
@@ -195,6 +209,7 @@ def apply_harp(
         raise ValueError(f"meta must be a mapping, got {type(meta).__name__}")
     plan = HarpPlan(fingerprint(model.config), _check_alphas(layers, alphas), fold, dict(meta or {}),
                     check_bypass(bypass))
+    check_kv_kept(adapter, layers, bypass)
     previous = getattr(model, "harp_plan", None)
     for name in ("fold", "bypass"):
         if previous is not None and getattr(previous, name) != getattr(plan, name):

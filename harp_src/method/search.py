@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ..eval.perplexity import check_windows, nll_sum
 from ..eval.smoothing import layer_metrics
 from ..model.adapter import get_adapter
-from .harp import harp_applied
+from .harp import check_bypass, check_kv_kept, harp_applied
 from .layers import check_layers
 from .prefix import Boundaries
 
@@ -121,6 +121,7 @@ def search_alphas(
     if window_nll is not None and not cache_prefix:
         raise ValueError("per-window NLLs are recorded by the cached search: use cache_prefix=True")
     order, grid = check_search(model, calib, layers, grid)
+    check_kv_kept(get_adapter(model), order, check_bypass(bypass))  # refused now, not after the search
     memo = {} if memo is None else memo
     bounds = None
     chosen: dict[int, float] = {}

@@ -166,11 +166,26 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether `name` can only be a local path, never a Hub id ("org/name"): absolute, starting with ./, ../ or ~,
+    ending in a slash, with a backslash or more than one slash."""
+    return (name.startswith(("/", "./", "../", "~", ".\\")) or name in (".", "..") or name.endswith("/")
+            or "\\" in name or name.count("/") > 1)
+
+
 def resolve_source(name_or_path: str) -> tuple[str, dict]:
     """Map a packaged name, local dir or Hub id to something `from_pretrained` takes, plus provenance."""
     if name_or_path in PACKAGED:
         pkg = PACKAGED[name_or_path]
         return str(_converted_dir(pkg)), {"model_id": pkg.name, "checksum": f"sha256:{pkg.gguf_sha256}"}
+    if name_or_path.startswith("~"):
+        name_or_path = os.path.expanduser(name_or_path)
+    if Path(name_or_path).exists() and not Path(name_or_path).is_dir():
+        raise ValueError(f"{name_or_path} is a file, not a model folder; pass the folder that holds config.json "
+                         "and the *.safetensors weights")
+    if not Path(name_or_path).exists() and looks_like_path(name_or_path):
+        raise ValueError(f"{name_or_path} does not exist: there is no model folder at {os.path.abspath(name_or_path)}"
+                         "; check the path (a Hub id has the form org/name)")
     if Path(name_or_path).is_dir():
         if not Path(name_or_path, "config.json").is_file():
             raise ValueError(f"{name_or_path} is a folder without config.json, so it holds no model; pass a model "

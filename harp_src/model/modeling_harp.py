@@ -25,12 +25,13 @@ from transformers import (
     Gemma3ForCausalLM,
     LlamaForCausalLM,
     MistralForCausalLM,
+    PretrainedConfig,
     Qwen2ForCausalLM,
 )
 from transformers.cache_utils import DummyLayer, StaticLayer
 
-STRUCTURE = "harp_structure"  # config.json key: the modules that differ from the dense model
-PLAN = "harp_plan"  # config.json key: how the model was pruned ({"harp": plan} or {"baseline": record})
+from .modeling_harp_checks import FOLDED, MIXINGS, PLAN, STRUCTURE, first_problem, folded_problem
+
 ATTRIBUTES = ("num_heads", "num_key_value_heads", "num_key_value_groups")  # head counts attention modules read
 
 
@@ -39,9 +40,6 @@ def repeat_heads(v: torch.Tensor, head_dim: int, n_rep: int) -> torch.Tensor:
     if n_rep == 1:
         return v
     return v.unflatten(-1, (-1, head_dim)).repeat_interleave(n_rep, dim=-2).flatten(-2)
-
-
-MIXINGS = ("identity", "mean")  # the bypass's fixed attention matrix: A = I, or the uniform causal average
 
 
 def real_tokens(attention_mask, q_len: int) -> torch.Tensor | None:
@@ -135,8 +133,9 @@ class BypassAttention(nn.Module):
 
     `n_rep > 1` repeats KV heads before o_proj (unfolded form); folded, o_proj already sums the repeated
     heads and `n_rep == 1`. `scale` is α when it is not folded into the weights. `alpha` is the layer's α wherever
-    it went (here, into o_proj or into Gemma's output norm): folded weights cannot show it, and a checkpoint's plan
-    is checked against it. `layer_idx` names the layer's cache slot (the mean's running sum).
+    it went (here, into o_proj or into Gemma's output norm): folded weights cannot show it, so it is also kept as
+    the buffer `folded_alpha`, saved with the weights, and a checkpoint's config is checked against it. `layer_idx`
+    names the layer's cache slot (the mean's running sum).
     """
 
     harp_kind = "bypass"  # how `describe` recognises it, also as a class from a checkpoint's copy of this file
@@ -149,6 +148,9 @@ class BypassAttention(nn.Module):
         self.v_proj, self.o_proj = v_proj, o_proj
         self.head_dim, self.n_rep, self.scale, self.alpha = head_dim, n_rep, scale, alpha
         self.mixing, self.layer_idx = mixing, layer_idx
+        if alpha is not None:
+            weight = o_proj.weight
+            self.register_buffer(FOLDED, torch.tensor(float(alpha), dtype=weight.dtype, device=weight.device))
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
         v = self.v_proj(hidden_states)
@@ -234,9 +236,10 @@ def _entry(path: str, module: nn.Module) -> dict | None:
     return None if kind is None else dict(path=path, kind=kind)
 
 
-def dense_class(model: nn.Module) -> type:
-    """The stock transformers class under a pruned-checkpoint class (the class itself for a stock model)."""
-    return next(c for c in type(model).__mro__ if not getattr(c, "_harp", False))
+def dense_class(model: nn.Module | type) -> type:
+    """The stock transformers class under a pruned-checkpoint class or model (the class itself for a stock one)."""
+    cls = model if isinstance(model, type) else type(model)
+    return next(c for c in cls.__mro__ if not getattr(c, "_harp", False))
 
 
 def dense_skeleton(model: nn.Module) -> nn.Module:
@@ -324,18 +327,34 @@ class _HarpCheckpoint:
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
+        """Load a pruned checkpoint, refusing (one ValueError naming config.json) a structure that does not fit the
+        dense model of its config or its plan (`modeling_harp_checks`), weights that do not fit the structure, and a
+        bypass whose α is not the one its weights were folded at."""
         want_info = kwargs.pop("output_loading_info", False)
+        source = str(args[0] if args else kwargs.get("pretrained_model_name_or_path", "this checkpoint"))
+        where = str(Path(source, "config.json")) if Path(source).is_dir() else f"{source} (config.json)"
+        config = kwargs.get("config")
+        if not isinstance(config, PretrainedConfig):
+            config = cls.config_class.from_pretrained(source)
+        with torch.device("meta"):
+            problem = first_problem(config, dense_class(cls)(copy.deepcopy(config)))
+        if problem:
+            raise ValueError(f"{where}: {problem}; re-save the checkpoint from the pruned model")
         kwargs.setdefault("ignore_mismatched_sizes", True)  # reported below, naming the tensor
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = [(k, "is missing") for k in sorted(info.get("missing_keys", []))]
+        missing = set(info.get("missing_keys", []))
+        unrecorded = {k for k in missing if k.endswith(f".{FOLDED}")}  # saved before α was kept with the weights
+        problems = [(k, "is missing") for k in sorted(missing - unrecorded)]
         problems += [(k[0] if isinstance(k, tuple) else str(k), "has the wrong shape")
                      for k in sorted(info.get("mismatched_keys", []), key=str)]
         problems += [(k, "is not part of the pruned model") for k in sorted(info.get("unexpected_keys", []))]
         if problems:
-            source = args[0] if args else kwargs.get("pretrained_model_name_or_path", "this checkpoint")
             raise ValueError(f"{source}: the pruned checkpoint's weights do not match its structure in config.json: "
                              f"{problems[0][0]} {problems[0][1]} ({len(problems)} tensors in all); re-save it from "
                              "the pruned model")
+        problem = folded_problem(model, unrecorded)
+        if problem:
+            raise ValueError(f"{where}: {problem}; re-save the checkpoint from the pruned model")
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -354,8 +373,9 @@ class _HarpCheckpoint:
             elif not plan:
                 warnings.warn("this model has no pruned module: saving an ordinary dense checkpoint", stacklevel=2)
             directory.mkdir(parents=True, exist_ok=True)  # the extra files first, so a Hub push carries them
-            if structure:
-                shutil.copyfile(__file__, directory / Path(__file__).name)
+            if structure:  # this file and the checks it imports
+                for source in (Path(__file__), Path(__file__).with_name("modeling_harp_checks.py")):
+                    shutil.copyfile(source, directory / source.name)
             tokenizer = getattr(self, "harp_tokenizer", None)
             if tokenizer is not None:
                 tokenizer.save_pretrained(directory)

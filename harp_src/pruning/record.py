@@ -4,7 +4,9 @@ adding FLAP's compensation biases, zeroing unstructured weights."""
 from __future__ import annotations
 
 import base64
+import binascii
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from ..model.adapter import Adapter, check_fingerprint, fingerprint, get_adapter
 from ..model.modeling_harp import mark_pruned
 from ..report.files import check_object, read_json, write_text
 from .methods import METHODS, SCOPES
-from .slicing import keep_channels, keep_heads, units
+from .slicing import channels_removed, heads_removed, keep_channels, keep_heads, units
 
 ATTENTION_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -56,13 +58,17 @@ class PruneRecord:
         check_fingerprint(self.fingerprint)
         if not isinstance(self.layers, dict):
             raise ValueError(f"layers must be a {{layer: entry}} mapping, got {type(self.layers).__name__}")
+        if not self.layers:
+            raise ValueError("layers is empty: a record prunes at least one layer")
         for i, entry in self.layers.items():
             _check_record_entry(i, entry)
         if not isinstance(self.meta, dict):
             raise ValueError(f"meta must be a mapping, got {type(self.meta).__name__}")
 
     def apply(self, model: nn.Module) -> PruneRecord:
-        """Prune `model` in place as recorded (refused, with the model unchanged, if it does not fit the record)."""
+        """Prune `model` in place as recorded. All or nothing: the whole record is checked against the model first
+        (every layer, index, bias and mask, and the parameters and weights it claims to remove), and a record that
+        does not fit is refused with the model unchanged."""
         found = fingerprint(model.config)
         if found != self.fingerprint:
             diff = {k: (self.fingerprint.get(k), found.get(k)) for k in found if self.fingerprint.get(k) != found[k]}
@@ -70,6 +76,15 @@ class PruneRecord:
         ad = get_adapter(model)
         for i, entry in self.layers.items():
             _check_entry(ad, i, entry)
+        removed = sum(entry_removed(ad, i, e) for i, e in self.layers.items())
+        if removed != self.params_removed:
+            raise ValueError(f"the record claims params_removed={self.params_removed}, but its layers remove "
+                             f"{removed} parameters of this model; regenerate the record")
+        zeroed = zeroed_count(self.layers, ad)
+        if zeroed != self.weights_zeroed:
+            raise ValueError(f"the record claims weights_zeroed={self.weights_zeroed}, but its masks zero {zeroed} "
+                             "weights; regenerate the record")
+        # all checks passed: from here on the model changes
         for i in sorted(self.layers):
             apply_entry(ad, i, self.layers[i])
         finish(model, self)
@@ -122,8 +137,15 @@ def _check_record_entry(i, entry) -> None:
             _index_list(entry[key], key, i)
     for key in ("heads_bias", "channels_bias"):
         bias = entry.get(key)
-        if bias is not None and (not isinstance(bias, list) or not all(isinstance(b, (int, float)) for b in bias)):
+        if bias is None:
+            continue
+        if not isinstance(bias, list) or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bias):
             raise ValueError(f"layer {i}: {key} must be a list of numbers, got {type(bias).__name__}")
+        if not all(math.isfinite(b) for b in bias):
+            raise ValueError(f"layer {i}: {key} holds a value that is not a finite number (NaN or infinity)")
+        if key.removesuffix("_bias") not in entry:
+            raise ValueError(f"layer {i}: {key} compensates {key.removesuffix('_bias')} that are removed, but the "
+                             f"entry has no {key.removesuffix('_bias')!r}")
     zeroed = entry.get("zeroed", {})
     if not isinstance(zeroed, dict) or not all(isinstance(c, str) for c in zeroed.values()):
         raise ValueError(f"layer {i}: zeroed must map projections to packed masks (strings)")
@@ -150,11 +172,59 @@ def _check_entry(ad: Adapter, i: int, entry: dict) -> None:
     u = units(ad, i)
     if "heads" in entry:
         _check_kept(entry["heads"], u.n_heads, "attention units", i)
+        _check_bias(entry.get("heads_bias"), ad.attention(i).o_proj, "heads_bias", i)
     if "channels" in entry:
         _check_kept(entry["channels"], u.n_channels, "MLP channels", i)
-    for proj in entry.get("zeroed", {}):
+        _check_bias(entry.get("channels_bias"), ad.mlp(i).down_proj, "channels_bias", i)
+    for proj, code in entry.get("zeroed", {}).items():
         if proj not in ATTENTION_PROJ + MLP_PROJ:
             raise ValueError(f"layer {i}: unknown projection '{proj}' in the record")
+        _check_mask(code, tuple(linears(ad, i)[proj].weight.shape), f"layer {i}: the zeroed mask of {proj}")
+
+
+def bias_limit(lin: nn.Linear) -> float:
+    """The largest compensation bias a record may add: what the layer's dtype holds, and no more than lets the next
+    RMSNorm square the residual stream in float32 without overflow (beyond it the logits become NaN)."""
+    dtype = lin.weight.dtype if lin.weight.dtype.is_floating_point else torch.float32
+    return min(torch.finfo(dtype).max, math.sqrt(torch.finfo(torch.float32).max / lin.out_features))
+
+
+def _check_bias(bias: list | None, lin: nn.Linear, key: str, i: int) -> None:
+    """A compensation bias has one finite value per output of `lin`, small enough to stay finite once added."""
+    if bias is None:
+        return
+    if len(bias) != lin.out_features:
+        raise ValueError(f"layer {i}: {key} has {len(bias)} values, but the projection it compensates has "
+                         f"{lin.out_features} outputs")
+    total = torch.tensor(bias, dtype=torch.float64)
+    if lin.bias is not None and not lin.bias.is_meta:
+        total = total + lin.bias.detach().double().cpu()
+    limit = bias_limit(lin)
+    if total.abs().max() > limit:
+        raise ValueError(f"layer {i}: {key} reaches {total.abs().max():.3g}, beyond {limit:.3g}, where the model "
+                         "would compute infinities and NaN; regenerate the record")
+
+
+def _check_mask(code: str, shape: tuple[int, ...], what: str) -> None:
+    """A packed bit mask holds exactly one bit per weight of `shape` (rounded up to whole bytes)."""
+    try:
+        n_bytes = len(base64.b64decode(code, validate=True))
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{what} is not base64 text") from None
+    expected = (math.prod(shape) + 7) // 8
+    if n_bytes != expected:
+        raise ValueError(f"{what} holds {n_bytes} bytes, but a {'x'.join(map(str, shape))} weight needs {expected} "
+                         "(one bit per weight); the mask is truncated or belongs to another projection")
+
+
+def entry_removed(ad: Adapter, i: int, entry: dict) -> int:
+    """Parameters one checked record entry removes from layer i (compensation biases it creates count as added)."""
+    removed = 0
+    if "heads" in entry:
+        removed += heads_removed(ad, i, list(entry["heads"]), entry.get("heads_bias") is not None)
+    if "channels" in entry:
+        removed += channels_removed(ad, i, list(entry["channels"]), entry.get("channels_bias") is not None)
+    return removed
 
 
 def _vector(values, like: torch.Tensor) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..model.adapter import Adapter
 from ..model.modeling_harp import Constant
+from ..model.weights import n_params
 
 
 @dataclass(frozen=True)
@@ -99,14 +100,15 @@ def add_bias(lin: nn.Linear, delta: torch.Tensor) -> nn.Linear:
 
 
 def _constant(delta: torch.Tensor | None, bias: torch.Tensor | None, out_norm: nn.Module | None) -> torch.Tensor | None:
-    """What a sub-layer with no unit left adds: out_norm(its output bias + compensation), or None for nothing."""
+    """What a sub-layer with no unit left adds: out_norm(its output bias + compensation), or None where it has
+    neither. Which one depends on the record and the layout alone, not on the values, so a checkpoint's structure
+    follows from its record (checked on the meta device, without weights)."""
     parts = [t for t in (bias, delta) if t is not None]
     if not parts:
         return None
     value = sum(p.detach().to(parts[0].dtype) for p in parts)
     with torch.no_grad():
-        value = value if out_norm is None else out_norm(value[None, None])[0, 0]
-    return None if not torch.any(value != 0) else value
+        return value if out_norm is None else out_norm(value[None, None])[0, 0]
 
 
 def _attention_to_constant(adapter: Adapter, i: int, delta: torch.Tensor | None) -> None:
@@ -114,6 +116,29 @@ def _attention_to_constant(adapter: Adapter, i: int, delta: torch.Tensor | None)
     value = _constant(delta, adapter.attention(i).o_proj.bias, adapter.attn_out_norm(i))
     adapter.set_attention(i, Constant(value, adapter.hidden, attention=True))
     adapter.remove_attention_norms(i)
+
+
+def _norm_params(norms: list[nn.Module]) -> int:
+    return sum(n_params(n) for n in norms)
+
+
+def heads_removed(adapter: Adapter, i: int, keep: list[int], compensated: bool) -> int:
+    """Parameters `keep_heads(adapter, i, keep, delta)` removes from layer i; a compensation bias (`compensated`)
+    that o_proj did not have counts as added."""
+    u, attn = units(adapter, i), adapter.attention(i)
+    has_bias = attn.o_proj.bias is not None
+    if not keep:
+        return n_params(attn) + _norm_params(adapter.attention_norms(i)) - adapter.hidden * (has_bias or compensated)
+    return (u.n_heads - len(keep)) * u.head_params - attn.o_proj.out_features * (compensated and not has_bias)
+
+
+def channels_removed(adapter: Adapter, i: int, keep: list[int], compensated: bool) -> int:
+    """Parameters `keep_channels(adapter, i, keep, delta)` removes from layer i (as `heads_removed`)."""
+    u, mlp = units(adapter, i), adapter.mlp(i)
+    has_bias = mlp.down_proj.bias is not None
+    if not keep:
+        return n_params(mlp) + _norm_params(adapter.mlp_norms(i)) - adapter.hidden * (has_bias or compensated)
+    return (u.n_channels - len(keep)) * u.channel_params - mlp.down_proj.out_features * (compensated and not has_bias)
 
 
 def keep_heads(adapter: Adapter, i: int, keep: list[int], delta: torch.Tensor | None = None) -> None:

@@ -1,11 +1,19 @@
 """Atomic writes and strict reads: every file or folder the package writes appears whole or not at all, with the
-usual permissions; every JSON it reads is refused, naming the file, if it is malformed or repeats a key."""
+usual permissions; every JSON it reads is refused, naming the file, if it is malformed, repeats a key, is larger or
+nested deeper than its kind allows. A folder being written is claimed first (`claimed`), so two writers never race,
+and a finished folder replaces an old one in a single step (`put_in_place`)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import json
 import os
+import re
 import shutil
+import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -106,18 +114,219 @@ def check_object(d, what: str, required: tuple[str, ...], optional: tuple[str, .
     return d
 
 
-def read_json(path: str | os.PathLike, what: str = "file"):
-    """Read a JSON file strictly (`parse_json`); a missing or unreadable file is one ValueError naming it.
+MAX_DEPTH = 32  # no file of ours nests deeper than ~6; far deeper is a broken or hostile file
+
+
+def depth(obj) -> int:
+    """How deeply lists and objects nest in parsed JSON (a scalar: 0), counted without recursion."""
+    deepest, stack = 0, [(obj, 0)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level + 1)
+            stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def read_json(path: str | os.PathLike, what: str = "file", max_bytes: int | None = None):
+    """Read a JSON file strictly (`parse_json`); a missing, unreadable, too large or too deeply nested file is one
+    ValueError naming it. Any readable file works, pipes included (`--plan <(cat plan.json)`).
 
     Args:
         what: what the file should be, for the error ("plan file", "checkpoint config").
+        max_bytes: refuse a larger file, after reading at most one byte more (None: no limit).
     """
     path = Path(path)
-    if not path.is_file():
-        state = "is a folder" if path.is_dir() else "does not exist"
-        raise ValueError(f"{what} {path} {state}; give the path of the JSON file")
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; give the path of the JSON file")
+    if not path.exists():
+        raise ValueError(f"{what} {path} does not exist; give the path of the JSON file")
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as handle:
+            data = handle.read(-1 if max_bytes is None else max_bytes + 1)
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"{what} {path} cannot be read ({err}); check its permissions and encoding") from None
-    return parse_json(text, f"{what} {path}")
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ValueError(f"{what} {path} is larger than {max_bytes:,} bytes, far more than such a file holds; "
+                         "give the file this package wrote")
+    too_deep = ValueError(f"{what} {path} nests lists or objects more than {MAX_DEPTH} deep; give the file this "
+                          "package wrote")
+    try:
+        parsed = parse_json(text, f"{what} {path}")
+    except RecursionError:
+        raise too_deep from None
+    if depth(parsed) > MAX_DEPTH:
+        raise too_deep
+    return parsed
+
+
+# ---------------------------------------------------------------------------------------------- output paths
+def check_writable(path: str | os.PathLike, what: str, folder: bool = False) -> Path:
+    """Refuse, before any work, an output path that cannot be written: a folder where a file is wanted (or a file
+    where a folder is), a path under a file, or a place this process may not create files in. Nothing is left behind.
+
+    Args:
+        what: how the user gave it, for the error ("--csv rows.csv").
+        folder: the output is a folder (a checkpoint) rather than a file.
+    Returns:
+        The path, absolute.
+    """
+    target = Path(os.path.abspath(os.fspath(path)))
+    if target.is_dir() and not folder:
+        raise ValueError(f"{what} is a folder; give a file name")
+    base = target.parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(f"{what} cannot be written: {base} is a file, not a folder; choose another path")
+    try:
+        tempfile.TemporaryFile(dir=base).close()  # the one sure test (root ignores permission bits)
+    except OSError as err:
+        raise ValueError(f"{what} cannot be written: no file can be created in {base} ({err.strerror}); choose "
+                         "a folder you can write to") from None
+    return target
+
+
+# ---------------------------------------------------------------------------------------------- claimed folders
+_HELD: dict[Path, list[int]] = {}  # claims held here: path -> [thread, depth] (re-entrant within its thread)
+
+
+def lock_path(target: Path) -> Path:
+    """The lock file that claims `target` (a hidden sibling; it exists only while a save runs)."""
+    return target.with_name(f".{target.name}.lock")
+
+
+def _lock(lock: Path) -> int | None:
+    """An exclusive flock on `lock` (created if needed), or None if another process holds it. The kernel drops the
+    lock when its holder dies, so a killed save never blocks the next one."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the previous holder removed the file between our open and flock: take the new one
+
+
+def _created_parents(target: Path) -> list[Path]:
+    """Create `target`'s missing parent folders; return the ones created, deepest first."""
+    missing, base = [], target.parent
+    while not base.exists():
+        missing.append(base)
+        base = base.parent
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+@contextmanager
+def claimed(target: str | os.PathLike, what: str) -> Iterator[Path]:
+    """Hold an exclusive claim on the folder `target` while inside: another claim of it, from another process or
+    thread, is refused at once (one ValueError naming `what`); within one thread a claim is re-entrant (a command
+    claims its output, then the save inside it claims it again). Missing parent folders are created, and removed again
+    on the way out if they are still empty. Yields the target as an absolute path."""
+    target = Path(os.path.abspath(os.fspath(target)))
+    if _HELD.get(target, [None])[0] == threading.get_ident():
+        _HELD[target][1] += 1
+        try:
+            yield target
+        finally:
+            _HELD[target][1] -= 1
+        return
+    made = _created_parents(target)
+    fd = _lock(lock_path(target))  # None while another process, or thread of this one, holds it
+    if fd is None:
+        for folder in made:
+            folder.rmdir()
+        raise ValueError(f"another save to {what} is in progress; nothing was written. Wait for it to finish, or "
+                         "choose another folder")
+    _HELD[target] = [threading.get_ident(), 1]
+    try:
+        yield target
+    finally:
+        del _HELD[target]
+        os.unlink(lock_path(target))
+        os.close(fd)
+        for folder in made:
+            if folder.exists() and not any(folder.iterdir()):
+                folder.rmdir()
+
+
+def partial_dir(target: Path) -> Path:
+    """A new private folder beside `target` to write its next version into (`leftovers` knows its name)."""
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+
+
+def _set_aside_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}.replaced-{uuid.uuid4().hex[:8]}")
+
+
+def leftovers(target: Path) -> list[Path]:
+    """What interrupted writes of `target` left beside it: unfinished `.partial` folders and old versions set
+    aside. Only call it while holding the claim on `target` (then no live write owns them)."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.([A-Za-z0-9_]{{8}}\.partial|replaced-[0-9a-f]{{8}})")
+    if not target.parent.is_dir():
+        return []
+    return sorted(p for p in target.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir()
+                  and not p.is_symlink())
+
+
+def clean_leftovers(target: Path) -> list[str]:
+    """Remove what interrupted writes of `target` left (`leftovers`), under the claim. Where a write was killed
+    between the two renames of the fallback swap (no folder at `target`, the old one set aside), the old folder is
+    put back first. Returns the names removed or restored."""
+    found, done = leftovers(target), []
+    set_aside = [p for p in found if ".replaced-" in p.name]
+    if set_aside and not target.exists():
+        os.rename(set_aside[0], target)
+        done.append(f"{set_aside[0].name} -> {target.name}")
+        found.remove(set_aside[0])
+    for p in found:
+        shutil.rmtree(p)
+        done.append(p.name)
+    return done
+
+
+RENAME_EXCHANGE = 2  # renameat2(2): swap two paths atomically (Linux 3.15+, ext4, xfs, btrfs, tmpfs, ...)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the folders at `a` and `b` in one step; False where the system cannot (other platforms, some file
+    systems)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(-100, os.fsencode(a), -100, os.fsencode(b), RENAME_EXCHANGE) == 0:  # -100: AT_FDCWD
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code))
+
+
+def put_in_place(new: Path, target: Path) -> None:
+    """Put the complete folder `new` at `target`. Where `target` exists, the two are swapped in one step, so a reader
+    (or a kill) sees the old folder or the new one, never none; the old one is then at `new`, for the caller to
+    remove. Where the system cannot swap, the old folder is set aside first and put back if the second rename fails
+    (a kill between the two is repaired by the next claim, `clean_leftovers`)."""
+    if not target.exists():
+        os.rename(new, target)
+        return
+    if exchange(new, target):
+        return
+    old = _set_aside_name(target)
+    os.rename(target, old)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    os.rename(old, new)
