@@ -250,28 +250,39 @@ def _first_difference(expected: list[dict], declared: list[dict]) -> str | None:
     return None
 
 
+def _pruned_meta(config: transformers.PretrainedConfig, steps: list) -> nn.Module:
+    model = _dense_meta_model(config)
+    for step in steps:
+        step.apply(model)
+    return model
+
+
 def check_checkpoint(config: transformers.PretrainedConfig, harp: HarpPlan | None, record: PruneRecord | None,
                      where: str) -> None:
     """Refuse a checkpoint whose plan does not produce the structure it declares: applied to the dense model of its
     config (on the meta device, no weights), the plan and record must give exactly its `harp_structure`, so the
     layers exist, the bypassed and sliced modules are the ones the plan names, and α agrees with the folded weights.
+    A model pruned by both was pruned in one order or the other (HARP first, or a baseline first): either is accepted.
     """
-    model = _dense_meta_model(config)
-    try:
-        if harp is not None:
-            harp.apply(model)
-        if record is not None:
-            record.apply(model)
-    except ValueError as err:
-        raise ValueError(f"{where}: its {PLAN} does not fit the model of its config: {err}") from None
-    expected = json.loads(json.dumps(describe(model)))
     declared = getattr(config, STRUCTURE, None) or []
     if not isinstance(declared, list):
         raise ValueError(f"{where}: its {STRUCTURE} is not a list of module entries; re-save the checkpoint")
-    problem = _first_difference(expected, declared)
-    if problem:
-        raise ValueError(f"{where}: its {PLAN} and {STRUCTURE} disagree at {problem}; re-save the checkpoint from "
-                         "the pruned model")
+    steps = [step for step in (harp, record) if step is not None]
+    error, problem = None, None
+    for order in [steps, steps[::-1]][:len(steps)] or [[]]:
+        try:
+            model = _pruned_meta(config, order)
+        except ValueError as err:
+            error = error or err
+            continue
+        found = _first_difference(json.loads(json.dumps(describe(model))), declared)
+        if found is None:
+            return
+        problem = problem or found
+    if problem is None:
+        raise ValueError(f"{where}: its {PLAN} does not fit the model of its config: {error}") from None
+    raise ValueError(f"{where}: its {PLAN} and {STRUCTURE} disagree at {problem}; re-save the checkpoint from the "
+                     "pruned model")
 
 
 def load_model(

@@ -99,12 +99,13 @@ class OneLineParser(argparse.ArgumentParser):
 def select(only: list[str] | None) -> list[Path]:
     """The notebooks to run: all, or those whose number prefix `only` names."""
     notebooks = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-    if only is None:
+    if only is None or not notebooks:
         return notebooks
-    chosen = [p for p in notebooks if p.name[:2] in only]
-    if not chosen:
-        raise ValueError(f"no notebook matches --only {' '.join(only)}; give number prefixes such as 02 06")
-    return chosen
+    unknown = [prefix for prefix in only if prefix not in {p.name[:2] for p in notebooks}]
+    if unknown:
+        raise ValueError(f"no notebook matches --only {' '.join(unknown)}; give number prefixes such as 02 06 "
+                         f"(there are {notebooks[0].name[:2]} to {notebooks[-1].name[:2]})")
+    return [p for p in notebooks if p.name[:2] in only]
 
 
 def main(argv: list[str] | None = None) -> int:

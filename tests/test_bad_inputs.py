@@ -314,7 +314,7 @@ CLI = {
                                        "the mean bypass needs at least one layer that keeps its attention"),
     "a mean search on every layer": (
         lambda w: ["search", "--model", str(w / "tiny"), "--layers", "0-3", "--bypass", "mean"],
-        "bypass at most 3 layers"),
+        r"pruning layers \[0, 1, 2, 3\] would leave none of the model's 4: keep one layer's attention"),
     # issue 48, 6: messages that say what is wrong
     "a model path that does not exist": (lambda w: ["ppl", "--model", "./my-pruned"],
                                          r"\./my-pruned does not exist: there is no model folder at"),
@@ -362,6 +362,7 @@ def pruned_at_3(model):
 RECORD = {"method": "flapp", "scope": "mlp", "budget": 1, "fingerprint": {}, "layers": {}, "params_removed": 0}
 FINGERPRINT = {"family": "llama", "num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2}
 FINGERPRINT_30 = FINGERPRINT | {"num_layers": 30}
+ATTN_DROP_TOP = PruneRecord("attn-drop-top", "attention", 12_000, FINGERPRINT, {3: {"heads": []}}, 12_352)
 USER = Path("user-folder")  # in the test's working directory, holding the user's notes.txt
 
 @functools.cache
@@ -393,6 +394,7 @@ API = {
     "record: heads_bias of 1e30 (fp32 squares overflow)": (None, apply_edited(("0", "heads_bias", [1e30] * 64)),
                                                            r"reaches 1e\+30, beyond 2.3\de\+18"),
     "record: bias that is a bool": (None, apply_edited(("0", "heads_bias", [True] * 64)), "must be a list of numbers"),
+    "record: bias beyond any float": (None, apply_edited(("0", "heads_bias", [10**400] * 64)), "not a finite number"),
     "record: bias without its kept heads": (None, apply_edited(("0", "heads", None)),
                                             "heads_bias compensates heads that are removed, but the entry has no"),
     "record: a kept head out of range": (None, apply_edited(("0", "heads", [7])), "distinct sorted indices in 0..1"),
@@ -415,12 +417,15 @@ API = {
     "record on a model it already pruned": (lambda m: apply_edited()(m), apply_edited(), "already pruned"),
     # issue 48, 4
     "apply_harp: the mean bypass on every layer": (
-        None, lambda m: apply_harp(m, [0, 1, 2, 3], 0.5, bypass="mean"), "bypass at most 3 layers"),
+        None, lambda m: apply_harp(m, [0, 1, 2, 3], 0.5, bypass="mean"), "would leave none of the model's 4"),
     "apply_harp: the mean bypass on the last layer left": (
         lambda m: apply_harp(m, [0, 1, 2], 0.5, bypass="mean"), lambda m: apply_harp(m, [3], 0.5, bypass="mean"),
         "needs at least one layer that keeps its attention"),
     "search_alphas: the mean bypass on every layer": (
-        None, lambda m: search_alphas(m, calib(), [0, 1, 2, 3], bypass="mean"), "bypass at most 3 layers"),
+        None, lambda m: search_alphas(m, calib(), [0, 1, 2, 3], bypass="mean"), "would leave none of the model's 4"),
+    "a record that removes the last attention a mean bypass left": (
+        lambda m: apply_harp(m, [0, 1, 2], 0.5, bypass="mean"), lambda m: ATTN_DROP_TOP.apply(m),
+        r"pruning layers \[3\] would leave none of the model's 4"),
     "apply_harp with a float layer": (None, lambda m: apply_harp(m, [2.7]), "layers must be integers"),
     "apply_harp with None": (None, lambda m: apply_harp(m, None), "layers must be a spec"),
     "apply_harp with one int": (None, lambda m: apply_harp(m, 3), "layers must be a spec"),
@@ -557,6 +562,8 @@ PLAIN = {
     "an entry of an unknown kind": ("ckpt", lambda c: attention_entry(c, 2).update(kind="warp"), "unknown kind 'warp'"),
     "a bypass without its v_proj": ("ckpt", lambda c: attention_entry(c, 2).pop("v_proj"),
                                     "its v_proj is None, which a bypass entry cannot have"),
+    "a Linear's shape cut short": ("flap", lambda c: next(e for e in c["harp_structure"] if e["kind"] == "linear")
+                                   .update(shape=[64]), r"a Linear's shape is not \[out, in, has bias\]"),
     "an entry naming no module": ("ckpt", lambda c: attention_entry(c, 2).update(path="model.layers.7.self_attn"),
                                   "model.layers.7.self_attn: no module of the dense model"),
 }
@@ -614,6 +621,7 @@ PROFILES = {  # malformed profiles, each refused in one line before anything run
 @pytest.mark.parametrize("argv, message", [
     (["--only"], "argument --only: expected at least one argument"),
     (["--only", "99"], "no notebook matches --only 99"),
+    (["--only", "01", "99"], "no notebook matches --only 99"),
     (["--profile", "nope"], r"no profile 'nope': choose one of \['full', 'quick'\]"),
     (["--profile", str(ROOT / "notebooks" / "profiles" / "full.yaml")], "a profile is a name, not a path"),
     (["--profile", "../profiles/full"], "a profile is a name, not a path"),
@@ -813,3 +821,57 @@ def test_sigterm_during_a_save_removes_its_temporary_folder(world):
     assert proc.returncode == 128 + signal.SIGTERM
     assert not [p.name for p in world.iterdir() if p.name.startswith(".ckpt")]  # no .partial, no lock
     assert saved_alphas(world / "ckpt") == ALPHAS  # the old checkpoint, untouched
+
+
+def test_the_folded_alpha_can_only_be_missing_from_checkpoints_older_than_it(world):
+    """A checkpoint of format 2 must carry each bypass's folded α; deleting the tensors does not skip the check. One
+    without the format key (saved before folded_alpha existed) loads, its α taken from config.json."""
+    weights = world / "mean" / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if not k.endswith("folded_alpha")}, weights,
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers.2.self_attn.folded_alpha is missing \(2 tensors in all\)"):
+        load_model(str(world / "mean"))
+    edit_config(world / "mean", lambda c: c.pop("harp_format"))
+    model, _ = load_model(str(world / "mean"))
+    assert model.model.layers[2].self_attn.folded_alpha.item() == 0.5
+
+
+def test_a_bf16_checkpoint_loads_in_float32(world):
+    """The folded α is stored in the weights' dtype: 0.3 in bf16 reads back as 0.30078125, within the check's
+    tolerance, while the 0.9-for-0.5 case above is refused."""
+    model = make_tiny("llama")
+    apply_harp(model, [2, 3], {2: 0.3, 3: 0.7}, bypass="mean")
+    save_checkpoint(model.to(torch.bfloat16), world / "bf16", AutoTokenizer.from_pretrained(world / "tiny"))
+    loaded, _ = load_model(str(world / "bf16"), dtype="float32")
+    assert loaded.model.layers[2].self_attn.folded_alpha.item() == 0.30078125
+    assert loaded.harp_plan.alphas == {2: 0.3, 3: 0.7}
+
+
+def test_an_overwrite_swaps_in_one_step_where_the_system_can(world, monkeypatch):
+    swaps = []
+    exchange = files.exchange
+    monkeypatch.setattr(files, "exchange", lambda a, b: swaps.append(exchange(a, b)) or swaps[-1])
+    model = make_tiny("llama")
+    apply_harp(model, [1], 0.3)
+    save_checkpoint(model, world / "ckpt", AutoTokenizer.from_pretrained(world / "tiny"), overwrite=True)
+    assert swaps == [True]  # renameat2's exchange on this file system: no moment without a checkpoint
+    assert saved_alphas(world / "ckpt") == {1: 0.3}
+    assert not [p.name for p in world.iterdir() if p.name.startswith(".ckpt")]
+
+
+@pytest.mark.parametrize("harp_first", [True, False])
+def test_harp_and_a_baseline_in_either_order_load(world, harp_first):
+    """A model pruned by both, in either order (HARP, then FLAP on the MLPs; unstructured Wanda, then HARP), loads
+    through load_model, which tries both orders, as through the checkpoint's own modeling file."""
+    model = make_tiny("llama")
+    if harp_first:
+        apply_harp(model, [3], 0.6)
+        prune(model, "flap", 5_000, calib(), scope="mlp", progress=False)
+    else:
+        prune(model, "wanda", 2_000, calib(), progress=False)
+        apply_harp(model, [3], 0.6)
+    save_checkpoint(model, world / "both", AutoTokenizer.from_pretrained(world / "tiny"))
+    loaded, _ = load_model(str(world / "both"))
+    x = calib()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)

@@ -135,12 +135,11 @@ def check_kv_kept(adapter: Adapter, layers: list[int], bypass: str) -> None:
     builds the cache that holds the running sums beside at least one ordinary slot, so `generate()` could not run."""
     if bypass != "mean":
         return
-    kept = [i for i in range(adapter.n_layers) if i not in layers and kind_of(adapter.attention(i)) is None]
-    if not kept:
+    gone = sorted(set(layers) | {i for i in range(adapter.n_layers) if kind_of(adapter.attention(i)) is not None})
+    if len(gone) == adapter.n_layers:
         raise ValueError(f"the mean bypass needs at least one layer that keeps its attention (its K/V cache slot "
-                         f"carries the running sums' cache), and these layers would leave none of the model's "
-                         f"{adapter.n_layers}: bypass at most {adapter.n_layers - 1} layers, or use the identity "
-                         "bypass")
+                         f"carries the running sums' cache), but pruning layers {sorted(layers)} would leave none of "
+                         f"the model's {adapter.n_layers}: keep one layer's attention, or use the identity bypass")
 
 
 def _check_alphas(layers: list[int], alphas: float | dict[int, float]) -> dict[int, float]:

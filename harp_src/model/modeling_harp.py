@@ -30,7 +30,7 @@ from transformers import (
 )
 from transformers.cache_utils import DummyLayer, StaticLayer
 
-from .modeling_harp_checks import FOLDED, MIXINGS, PLAN, STRUCTURE, first_problem, folded_problem
+from .modeling_harp_checks import FOLDED, FORMAT, MIXINGS, PLAN, STRUCTURE, first_problem, folded_problem
 
 ATTRIBUTES = ("num_heads", "num_key_value_heads", "num_key_value_groups")  # head counts attention modules read
 
@@ -335,7 +335,9 @@ class _HarpCheckpoint:
         where = str(Path(source, "config.json")) if Path(source).is_dir() else f"{source} (config.json)"
         config = kwargs.get("config")
         if not isinstance(config, PretrainedConfig):
-            config = cls.config_class.from_pretrained(source)
+            hub = {k: kwargs[k] for k in ("revision", "subfolder", "token", "cache_dir", "local_files_only")
+                   if k in kwargs}
+            config = cls.config_class.from_pretrained(source, **hub)
         with torch.device("meta"):
             problem = first_problem(config, dense_class(cls)(copy.deepcopy(config)))
         if problem:
@@ -343,7 +345,8 @@ class _HarpCheckpoint:
         kwargs.setdefault("ignore_mismatched_sizes", True)  # reported below, naming the tensor
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         missing = set(info.get("missing_keys", []))
-        unrecorded = {k for k in missing if k.endswith(f".{FOLDED}")}  # saved before α was kept with the weights
+        # only a checkpoint saved before α was kept with the weights may lack it; deleting it does not skip the check
+        unrecorded = {k for k in missing if k.endswith(f".{FOLDED}")} if getattr(config, FORMAT, 1) < 2 else set()
         problems = [(k, "is missing") for k in sorted(missing - unrecorded)]
         problems += [(k[0] if isinstance(k, tuple) else str(k), "has the wrong shape")
                      for k in sorted(info.get("mismatched_keys", []), key=str)]
@@ -362,13 +365,15 @@ class _HarpCheckpoint:
         `auto_map` pointing at a copy of this file, and the tokenizer if the model carries one. The model's own
         config is left as it was."""
         structure, plan, config = describe(self), _plan_of(self), self.config
-        saved = {key: config.__dict__.pop(key) for key in (STRUCTURE, PLAN, "auto_map") if key in config.__dict__}
+        keys = (STRUCTURE, PLAN, FORMAT, "auto_map")
+        saved = {key: config.__dict__.pop(key) for key in keys if key in config.__dict__}
         directory = Path(save_directory)
         try:
             if plan:  # also for pruning that keeps every shape (unstructured Wanda's zeros)
                 setattr(config, PLAN, plan)
             if structure:
                 setattr(config, STRUCTURE, structure)
+                setattr(config, FORMAT, 2)
                 config.auto_map = {"AutoModelForCausalLM": f"{Path(__file__).stem}.{type(self).__name__}"}
             elif not plan:
                 warnings.warn("this model has no pruned module: saving an ordinary dense checkpoint", stacklevel=2)
@@ -386,7 +391,7 @@ class _HarpCheckpoint:
                 written["architectures"] = [dense_class(self).__name__]
                 path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
         finally:
-            for key in (STRUCTURE, PLAN, "auto_map"):
+            for key in keys:
                 config.__dict__.pop(key, None)
             config.__dict__.update(saved)
 

@@ -21,6 +21,8 @@ STRUCTURE = "harp_structure"  # config.json key: the modules that differ from th
 PLAN = "harp_plan"  # config.json key: how the model was pruned ({"harp": plan} and/or {"baseline": record})
 MIXINGS = ("identity", "mean")  # the bypass's fixed attention matrix: A = I, or the uniform causal average
 FOLDED = "folded_alpha"  # a bypass's buffer: the α its weights were built with, saved with them
+FORMAT = "harp_format"  # config.json key: 2 from when every bypass saves its `folded_alpha` (absent before)
+TOLERANCE = 2.0 ** -7  # relative: α survives a round trip through bf16 (8 significant bits) within it
 NUMBER = (int, float)
 FIELDS = {  # the fields each kind of entry must carry, and their types
     "bypass": {"v_proj": list, "o_proj": list, "head_dim": int, "n_rep": int},
@@ -36,6 +38,12 @@ HARP_KINDS = ("bypass", "dropped", "scaled")
 
 def is_number(value) -> bool:
     return isinstance(value, NUMBER) and not isinstance(value, bool)
+
+
+def is_linear(spec) -> bool:
+    """Whether a structure entry's Linear shape is [out, in, has bias]."""
+    return (isinstance(spec, list) and len(spec) == 3 and all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                                              for n in spec[:2]) and isinstance(spec[2], bool))
 
 
 def shape(lin: nn.Module) -> list:
@@ -70,6 +78,9 @@ def entry_problem(entry, layout: Layout) -> str | None:
         value = entry.get(key)
         if not isinstance(value, kind_type) or (isinstance(value, bool) and kind_type is not bool):
             return f"{path}: its {key} is {value!r}, which a {kind} entry cannot have"
+    shapes = [entry[key] for key in ("v_proj", "o_proj", "shape") if key in FIELDS[kind]]
+    if not all(is_linear(spec) for spec in shapes):
+        return f"{path}: a Linear's shape is not [out, in, has bias] (two whole numbers and true or false)"
     if path not in layout.modules:
         return f"{path}: no module of the dense model of this config has that path"
     if kind in ("bypass", "dropped") and path not in layout.attention:
@@ -219,7 +230,9 @@ def first_problem(config, dense: nn.Module) -> str | None:
 
 def folded_problem(model: nn.Module, unrecorded: set[str]) -> str | None:
     """After loading: the first bypass whose α (config.json) differs from the α its weights were folded at, or None.
-    Buffers in `unrecorded` (checkpoints written before α was stored with the weights) are set from config.json."""
+    The two may differ by the rounding of the dtype the checkpoint was saved in (`TOLERANCE`: a bf16 checkpoint
+    loaded in float32 holds 0.30078125 for 0.3). Buffers in `unrecorded` (checkpoints written before α was stored
+    with the weights) are set from config.json."""
     for path, module in model.named_modules():
         folded = getattr(module, FOLDED, None)
         if not isinstance(folded, torch.Tensor):
@@ -227,7 +240,7 @@ def folded_problem(model: nn.Module, unrecorded: set[str]) -> str | None:
         if f"{path}.{FOLDED}" in unrecorded:
             with torch.no_grad():
                 folded.fill_(module.alpha)
-        elif not torch.equal(torch.tensor(module.alpha, dtype=folded.dtype), folded.detach().cpu()):
+        elif abs(folded.item() - module.alpha) > TOLERANCE * abs(module.alpha):
             return f"{path}: its alpha is {module.alpha!r} in config.json, but its weights were folded at " \
                    f"{folded.item():.4g}"
     return None

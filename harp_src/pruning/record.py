@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..method.harp import check_kv_kept
 from ..method.layers import parse_layer_key
 from ..model.adapter import Adapter, check_fingerprint, fingerprint, get_adapter, mark_kv_free
 from ..model.modeling_harp import mark_pruned
@@ -80,6 +81,8 @@ class PruneRecord:
         if removed != self.params_removed:
             raise ValueError(f"the record claims params_removed={self.params_removed}, but its layers remove "
                              f"{removed} parameters of this model; regenerate the record")
+        mean = getattr(getattr(model, "harp_plan", None), "bypass", "identity")
+        check_kv_kept(ad, [i for i, e in self.layers.items() if e.get("heads") == []], mean)
         zeroed = zeroed_count(self.layers, ad)
         if zeroed != self.weights_zeroed:
             raise ValueError(f"the record claims weights_zeroed={self.weights_zeroed}, but its masks zero {zeroed} "
@@ -141,7 +144,7 @@ def _check_record_entry(i, entry) -> None:
             continue
         if not isinstance(bias, list) or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bias):
             raise ValueError(f"layer {i}: {key} must be a list of numbers, got {type(bias).__name__}")
-        if not all(math.isfinite(b) for b in bias):
+        if not all(_finite(b) for b in bias):
             raise ValueError(f"layer {i}: {key} holds a value that is not a finite number (NaN or infinity)")
         if key.removesuffix("_bias") not in entry:
             raise ValueError(f"layer {i}: {key} compensates {key.removesuffix('_bias')} that are removed, but the "
@@ -149,6 +152,13 @@ def _check_record_entry(i, entry) -> None:
     zeroed = entry.get("zeroed", {})
     if not isinstance(zeroed, dict) or not all(isinstance(c, str) for c in zeroed.values()):
         raise ValueError(f"layer {i}: zeroed must map projections to packed masks (strings)")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond any float
+        return False
 
 
 def linears(ad: Adapter, i: int) -> dict[str, nn.Linear]:
@@ -172,24 +182,25 @@ def _check_entry(ad: Adapter, i: int, entry: dict) -> None:
     u = units(ad, i)
     if "heads" in entry:
         _check_kept(entry["heads"], u.n_heads, "attention units", i)
-        _check_bias(entry.get("heads_bias"), ad.attention(i).o_proj, "heads_bias", i)
+        _check_bias(entry.get("heads_bias"), ad.attention(i).o_proj, "heads_bias", i, ad.n_layers)
     if "channels" in entry:
         _check_kept(entry["channels"], u.n_channels, "MLP channels", i)
-        _check_bias(entry.get("channels_bias"), ad.mlp(i).down_proj, "channels_bias", i)
+        _check_bias(entry.get("channels_bias"), ad.mlp(i).down_proj, "channels_bias", i, ad.n_layers)
     for proj, code in entry.get("zeroed", {}).items():
         if proj not in ATTENTION_PROJ + MLP_PROJ:
             raise ValueError(f"layer {i}: unknown projection '{proj}' in the record")
         _check_mask(code, tuple(linears(ad, i)[proj].weight.shape), f"layer {i}: the zeroed mask of {proj}")
 
 
-def bias_limit(lin: nn.Linear) -> float:
-    """The largest compensation bias a record may add: what the layer's dtype holds, and no more than lets the next
-    RMSNorm square the residual stream in float32 without overflow (beyond it the logits become NaN)."""
+def bias_limit(lin: nn.Linear, n_layers: int) -> float:
+    """The largest compensation bias a record may add: small enough that the biases of all `n_layers` layers added
+    up stay within the layer's dtype (fp16: 65,504), and that the next RMSNorm squares the residual stream in float32
+    without overflow; beyond either the logits become NaN."""
     dtype = lin.weight.dtype if lin.weight.dtype.is_floating_point else torch.float32
-    return min(torch.finfo(dtype).max, math.sqrt(torch.finfo(torch.float32).max / lin.out_features))
+    return min(torch.finfo(dtype).max / (2 * n_layers), math.sqrt(torch.finfo(torch.float32).max / lin.out_features))
 
 
-def _check_bias(bias: list | None, lin: nn.Linear, key: str, i: int) -> None:
+def _check_bias(bias: list | None, lin: nn.Linear, key: str, i: int, n_layers: int) -> None:
     """A compensation bias has one finite value per output of `lin`, small enough to stay finite once added."""
     if bias is None:
         return
@@ -199,7 +210,7 @@ def _check_bias(bias: list | None, lin: nn.Linear, key: str, i: int) -> None:
     total = torch.tensor(bias, dtype=torch.float64)
     if lin.bias is not None and not lin.bias.is_meta:
         total = total + lin.bias.detach().double().cpu()
-    limit = bias_limit(lin)
+    limit = bias_limit(lin, n_layers)
     if total.abs().max() > limit:
         raise ValueError(f"layer {i}: {key} reaches {total.abs().max():.3g}, beyond {limit:.3g}, where the model "
                          "would compute infinities and NaN; regenerate the record")

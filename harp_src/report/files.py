@@ -243,8 +243,7 @@ def claimed(target: str | os.PathLike, what: str) -> Iterator[Path]:
     made = _created_parents(target)
     fd = _lock(lock_path(target))  # None while another process, or thread of this one, holds it
     if fd is None:
-        for folder in made:
-            folder.rmdir()
+        _remove_if_empty(made)
         raise ValueError(f"another save to {what} is in progress; nothing was written. Wait for it to finish, or "
                          "choose another folder")
     _HELD[target] = [threading.get_ident(), 1]
@@ -252,11 +251,18 @@ def claimed(target: str | os.PathLike, what: str) -> Iterator[Path]:
         yield target
     finally:
         del _HELD[target]
-        os.unlink(lock_path(target))
+        lock_path(target).unlink(missing_ok=True)  # before the lock goes: see `_lock`
         os.close(fd)
-        for folder in made:
-            if folder.exists() and not any(folder.iterdir()):
-                folder.rmdir()
+        _remove_if_empty(made)
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    """Remove the folders a claim created (deepest first) where nothing else has been put in them meanwhile."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (another save's lock or output), or already gone
+            return
 
 
 def partial_dir(target: Path) -> Path:
