@@ -55,7 +55,7 @@ def _window_sums(reference, model, ids: torch.Tensor, chunk: int, ref_states: to
     states = [final_states(reference, ids) if ref_states is None else ref_states, final_states(model, ids)]
     heads = (get_adapter(reference).head_logits, get_adapter(model).head_logits)
     targets = ids[:, 1:]
-    sums = torch.zeros(ids.shape[0], 4, dtype=torch.float64)
+    sums = torch.zeros(ids.shape[0], 4, dtype=torch.float64, device="cpu")
     for start in range(0, ids.shape[1] - 1, chunk):
         end = min(start + chunk, ids.shape[1] - 1)
         lp_ref, lp = (F.log_softmax(head(h[:, start:end]).float(), dim=-1).cpu() for head, h in zip(heads, states,

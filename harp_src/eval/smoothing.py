@@ -45,7 +45,7 @@ class _Collector:
     def __init__(self, model, entropy: bool):
         self.ad = get_adapter(model)
         self.sums = defaultdict(float)
-        self.entropy = defaultdict(lambda: torch.zeros(self.ad.n_heads))
+        self.entropy = defaultdict(lambda: torch.zeros(self.ad.n_heads, device="cpu"))
         self.n_seq = 0
         self.handles = []
         for i, layer in enumerate(self.ad.layers):

@@ -90,7 +90,7 @@ def _window_order(n_windows: int, count: int, seed: int) -> torch.Tensor:
     """`count` window indices: seeded permutations of range(n_windows), one after another (a local RNG)."""
     g = torch.Generator().manual_seed(seed)
     reps = -(-count // n_windows)
-    return torch.cat([torch.randperm(n_windows, generator=g) for _ in range(reps)])[:count]
+    return torch.cat([torch.randperm(n_windows, generator=g, device="cpu") for _ in range(reps)])[:count]
 
 
 def next_token_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

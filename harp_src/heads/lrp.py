@@ -268,8 +268,8 @@ def _x_grad(x: torch.Tensor) -> torch.Tensor:
 
 def _collect(store: dict, adapter: Adapter, target: torch.Tensor) -> Relevance:
     batch, L, H = target.shape[0], adapter.n_layers, adapter.n_heads
-    heads = torch.full((batch, L, H), float("nan"), dtype=torch.float64)
-    attention = torch.full((batch, L), float("nan"), dtype=torch.float64)
+    heads = torch.full((batch, L, H), float("nan"), dtype=torch.float64, device="cpu")
+    attention = torch.full((batch, L), float("nan"), dtype=torch.float64, device="cpu")
     for i in range(L):
         if i in store:
             x, out = store[i]
@@ -308,7 +308,7 @@ def lrp_head_scores(model: nn.Module, windows: torch.Tensor, batch_size: int = 1
     check_windows(model, windows)
     adapter = get_adapter(model)
     device = next(model.parameters()).device
-    total = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
+    total = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64, device="cpu")
     for start in tqdm(range(0, len(windows), batch_size), desc="LRP", leave=False, disable=not progress):
         total += lrp_relevance(model, windows[start : start + batch_size].to(device)).heads.abs().sum(0)
     return total / len(windows)

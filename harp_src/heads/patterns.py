@@ -42,7 +42,7 @@ def pattern_stats(weights: torch.Tensor) -> dict[str, torch.Tensor]:
     ent = entropy_rows(a).double()
     js = js_divergence(a[:, None], a[None]).mean(-1)
     return {"entropy": ent.mean(-1), "entropy_norm": (ent / seen.log()).mean(-1), "sink": a[..., 0].mean(-1),
-            "self": a[:, torch.arange(len(t)), t].mean(-1), "js": js}
+            "self": a[:, torch.arange(len(t), device=t.device), t].mean(-1), "js": js}
 
 
 def output_cosines(x: torch.Tensor, o_weight: torch.Tensor, head_dim: int) -> torch.Tensor:

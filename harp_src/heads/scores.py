@@ -33,7 +33,7 @@ def keep_score(metric: str, raw: dict[str, torch.Tensor], seed: int = 0) -> torc
     if metric == "sink":
         return 1 - raw["sink"].double()
     shape = next(iter(raw.values())).shape
-    return torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64, device="cpu")
 
 
 def keep_scores(raw: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -42,7 +42,7 @@ def keep_scores(raw: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.
 
 
 def head_grid(heads: pd.DataFrame, column: str, shape) -> torch.Tensor:
-    out = torch.full(shape, float("nan"), dtype=torch.float64)
+    out = torch.full(shape, float("nan"), dtype=torch.float64, device="cpu")
     for r in heads.itertuples():
         out[r.layer, r.head] = getattr(r, column)
     return out
@@ -100,6 +100,6 @@ def rescore(model, metric: str, calib, seed: int) -> torch.Tensor:
     ad = get_adapter(model)
     shape = (ad.n_layers, ad.n_heads)
     if metric == "random":
-        return keep_score(metric, {"shape": torch.empty(shape)}, seed)
+        return keep_score(metric, {"shape": torch.empty(shape, device="meta")}, seed)
     heads, _ = head_statistics(model, calib, progress=False)
     return keep_score(metric, {c: head_grid(heads, c, shape) for c in ("entropy_norm", "sink")}, seed)

@@ -19,6 +19,7 @@ def kv_cache_bytes(cache) -> int:
 @torch.no_grad()
 def prompt_kv_bytes(model, seq_len: int) -> int:
     """Bytes of the KV cache `model` keeps after one prefill of a (seeded, random) `seq_len`-token prompt."""
-    ids = torch.randint(3, 1000, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    high = min(1000, model.get_input_embeddings().num_embeddings)  # token ids the model has (the bytes do not care)
+    ids = torch.randint(3, high, (1, seq_len), generator=torch.Generator().manual_seed(0), device="cpu")
     out = model(input_ids=ids.to(next(model.parameters()).device), use_cache=True)
     return kv_cache_bytes(out.past_key_values)

@@ -159,7 +159,7 @@ def decode_step(model, token: torch.Tensor, cache) -> tuple[float, torch.Tensor]
 def random_prompt(vocab_size: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
     """Token ids [1, seq_len]; latency does not depend on the text, only on its length."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (1, seq_len), generator=gen).to(device)
+    return torch.randint(0, vocab_size, (1, seq_len), generator=gen, device="cpu").to(device)
 
 
 def harp_copy(model, layers: Iterable[int] | str, alphas: float | dict[int, float] = 1.0, fold: bool = True,
@@ -358,7 +358,7 @@ def kv_bytes_formula(config, seq_len: int, n_pruned: int = 0, dtype: torch.dtype
     sliding-window layers keep at most their window.
     """
     cfg = text_config(config)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return 2 * (cfg.num_hidden_layers - n_pruned) * cfg.num_key_value_heads * head_dim(cfg) * seq_len * size
 
 

@@ -21,7 +21,7 @@ CHUNK = 64  # positions per LM-head call: the [B · chunk × vocab] logits stay 
 def window_nll(adapter, normed: torch.Tensor, ids: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """Summed next-token NLL per window [B] (float64) of final-normed states [B, T, d] for `ids` [B, T], the LM head
     and log-softmax run on `chunk` positions at a time, so the [B × T × vocab] logits are never held at once."""
-    total = torch.zeros(ids.shape[0], dtype=torch.float64)
+    total = torch.zeros(ids.shape[0], dtype=torch.float64, device="cpu")
     for start in range(0, ids.shape[1] - 1, chunk):
         end = min(start + chunk, ids.shape[1] - 1)
         logits = adapter.head_logits(normed[:, start:end])

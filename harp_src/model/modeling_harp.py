@@ -98,7 +98,7 @@ def causal_mean(v: torch.Tensor, real: torch.Tensor | None, state: RunningMean |
     """Uniform causal average of v [B, T, D]: position t gets the mean of the real positions ≤ t (those of earlier
     calls included when `state` carries them; 0 where none is real). O(T · D) by a cumulative sum in float32.
     `state` is advanced past these positions."""
-    weight = torch.ones(v.shape[:2], device=v.device) if real is None else real.float()
+    weight = torch.ones(v.shape[:2], dtype=torch.float32, device=v.device) if real is None else real.float()
     sums = torch.cumsum(v.float() * weight[..., None], dim=1)
     counts = torch.cumsum(weight, dim=1)[..., None]
     if state is not None:

@@ -22,7 +22,7 @@ def compensation(weight: torch.Tensor, mean: torch.Tensor, removed: list[int]) -
     """W[:, removed] · E[X_removed]: what the removed inputs added on average (FLAP's bias compensation)."""
     if not removed:
         return None
-    idx = torch.tensor(removed, dtype=torch.long)
+    idx = torch.tensor(removed, dtype=torch.long, device="cpu")
     return (weight.detach().double().cpu()[:, idx] @ mean.cpu()[idx]).tolist()
 
 

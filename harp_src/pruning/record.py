@@ -207,7 +207,7 @@ def _check_bias(bias: list | None, lin: nn.Linear, key: str, i: int, n_layers: i
     if len(bias) != lin.out_features:
         raise ValueError(f"layer {i}: {key} has {len(bias)} values, but the projection it compensates has "
                          f"{lin.out_features} outputs")
-    total = torch.tensor(bias, dtype=torch.float64)
+    total = torch.tensor(bias, dtype=torch.float64, device="cpu")
     if lin.bias is not None and not lin.bias.is_meta:
         total = total + lin.bias.detach().double().cpu()
     limit = bias_limit(lin, n_layers)
@@ -239,7 +239,7 @@ def entry_removed(ad: Adapter, i: int, entry: dict) -> int:
 
 
 def _vector(values, like: torch.Tensor) -> torch.Tensor | None:
-    return None if values is None else torch.tensor(values, dtype=torch.float64).to(like)
+    return None if values is None else torch.tensor(values, dtype=torch.float64, device=like.device).to(like)
 
 
 def encode_mask(mask: torch.Tensor) -> str:

@@ -24,7 +24,7 @@ def wanda_sp_scores(ad: Adapter, i: int, stats: InputStats) -> tuple[torch.Tenso
 
 def _row_counts(total: int, rows: int) -> torch.Tensor:
     base, extra = divmod(total, rows)
-    return torch.full((rows,), base, dtype=torch.long) + (torch.arange(rows) < extra)
+    return torch.full((rows,), base, dtype=torch.long, device="cpu") + (torch.arange(rows, device="cpu") < extra)
 
 
 def _matrix_counts(sizes: dict[tuple[int, str], int], total: int) -> dict[tuple[int, str], int]:
@@ -41,7 +41,7 @@ def wanda_mask(weight: torch.Tensor, norms: torch.Tensor, per_row: torch.Tensor)
     """True for the per_row[r] lowest |W[r, j]|·‖X_j‖ of each row r."""
     score = weight.detach().double().abs().cpu() * norms.cpu()[None, :]
     order = torch.sort(score, dim=1, stable=True).indices
-    rank_ok = torch.arange(weight.shape[1])[None, :] < per_row[:, None]
+    rank_ok = torch.arange(weight.shape[1], device="cpu")[None, :] < per_row[:, None]
     return torch.zeros_like(rank_ok).scatter_(1, order, rank_ok)
 
 
