@@ -137,9 +137,32 @@ def param_count(name_or_path: str) -> int:
         return n_params(AutoModelForCausalLM.from_config(config))
 
 
+def model_shape(name_or_path: str) -> dict:
+    """{"num_layers", "params"} of a model from its config alone (no weights): a packaged name or a local folder,
+    one of the paper's Hub models (their public shapes, so a graph on them is declared without the Hub), or another
+    Hub id (its config fetched)."""
+    from .paper import PAPER_MODELS
+
+    if name_or_path in PAPER_MODELS and not Path(name_or_path).is_dir():
+        return dict(PAPER_MODELS[name_or_path])
+    if name_or_path in PACKAGED and not (_converted_dir_path(PACKAGED[name_or_path]) / "config.json").exists():
+        gguf = PACKAGED[name_or_path].gguf_path()  # not converted yet: its config without the conversion
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    else:
+        config = AutoConfig.from_pretrained(resolve_source(name_or_path)[0])
+    text = getattr(config, "text_config", None) or config
+    with torch.device("meta"):
+        params = n_params(AutoModelForCausalLM.from_config(config))
+    return {"num_layers": int(text.num_hidden_layers), "params": params}
+
+
+def _converted_dir_path(pkg: Packaged) -> Path:
+    return cache_dir() / "models" / f"{pkg.name}-{pkg.gguf_sha256[:12]}"
+
+
 def _converted_dir(pkg: Packaged) -> Path:
     """Convert the GGUF once into a safetensors dir; later loads take seconds and are bit-identical."""
-    target = cache_dir() / "models" / f"{pkg.name}-{pkg.gguf_sha256[:12]}"
+    target = _converted_dir_path(pkg)
     if (target / "harp_source.json").exists():
         return target
     gguf = pkg.gguf_path()

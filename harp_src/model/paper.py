@@ -33,3 +33,13 @@ def official_llama31_8b_alphas() -> dict[int, float]:
     """The official top-8 α's as {0-based layer: α} (the list is top-first: layer 31 gets its first entry)."""
     last = LLAMA31_8B["num_hidden_layers"] - 1
     return {last - k: a for k, a in enumerate(OFFICIAL_LLAMA31_8B_TOP_FIRST)}
+
+
+# The paper's four Hub models (public configs): layers and parameter counts, so that a graph of steps on them can be
+# declared and its cost predicted (`runner --plan --profile paper`) where the Hub is unreachable and no weights are.
+PAPER_MODELS = {
+    "meta-llama/Llama-3.1-8B": {"num_layers": 32, "params": 8_030_261_248},
+    "mistralai/Mistral-7B-v0.3": {"num_layers": 32, "params": 7_248_023_552},
+    "Qwen/Qwen2-7B": {"num_layers": 28, "params": 7_615_616_512},
+    "google/gemma-2-9b": {"num_layers": 42, "params": 9_241_705_984},
+}

@@ -11,10 +11,14 @@ from dataclasses import dataclass, fields
 from typing import ClassVar, Self
 
 from .files import ROOT
-from .results import PROFILES
 
 # ---------------------------------------------------------------------------------------------- notebook parameters
 NOTEBOOKS = ROOT / "notebooks"
+
+
+def profile_names() -> list[str]:
+    """The profiles a notebook may be run with: the files notebooks/profiles/NAME.yaml (quick, full, paper, ...)."""
+    return sorted(p.stem for p in (NOTEBOOKS / "profiles").glob("*.yaml"))
 
 
 def parameters_source(notebook: str) -> str:
@@ -90,8 +94,8 @@ def check_values(values: dict, spec: dict[str, tuple]) -> None:
                 if name in values and not any(_matches(values[name], k) for k in kinds)]
     if problems:
         raise TypeError("bad notebook parameter: " + "; ".join(problems))
-    if "PROFILE" in values and values["PROFILE"] not in PROFILES:
-        raise ValueError(f"PROFILE={values['PROFILE']!r}: choose one of {PROFILES}")
+    if "PROFILE" in values and values["PROFILE"] not in profile_names():
+        raise ValueError(f"PROFILE={values['PROFILE']!r}: choose one of {profile_names()} (notebooks/profiles/)")
 
 
 def check_parameters(notebook: str, namespace: dict, **types_: object) -> None:

@@ -14,8 +14,6 @@ import transformers
 
 from .files import ROOT, atomic_path, write_json
 
-PROFILES = ("quick", "full")
-
 
 def output_dir(profile: str, override: str | os.PathLike = "") -> Path:
     """figures/ for the full profile; a scratch folder outside git (.runs/<profile>/figures) otherwise.
