@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from conftest import make_tiny
 from harp_src import apply_harp
-from harp_src.compare.points import rebuild, with_speeds
+from harp_src.compare.points import rebuild, timed_order, with_speeds
 from harp_src.measure.timing import REFERENCE, harp_copy, latency_group, latency_pair, shape_key, time_shapes
 from harp_src.model.adapter import fingerprint, get_adapter
 from harp_src.model.modeling_harp import Constant
@@ -25,7 +25,7 @@ from harp_src.pruning.prune import applied_copy, prune, pruned_copy, shared_copy
 from harp_src.pruning.record import MLP_PROJ, PruneRecord, apply_entry, linears
 from harp_src.pruning.selection import global_entries
 from harp_src.pruning.slicing import keep_channels, units
-from harp_src.studies.frontier import HARP, timed_rows, variants, verdict, versus_harp
+from harp_src.studies.frontier import HARP, variants, verdict, versus_harp
 
 FAMILIES = ["llama", "qwen2", "gemma3"]  # GQA (2 KV heads of 4), GQA with q/k/v biases, MQA
 CASES = [(m, s) for m in METHODS for s in SCOPES[m]]
@@ -455,10 +455,10 @@ def test_shape_key_names_one_structure_once():
     assert pruned("wanda", 20_000) != shape_key(make_tiny("llama"), None)  # zeros run on dense kernels, but are timed
 
 
-def test_timing_part_times_each_shape_once_and_keeps_each_bypass_pair_in_one_round_robin():
-    """06's timing part: one row per distinct shape, HARP and harp-mean of a level side by side (so a group of an
-    even size never splits them), baselines from their stored records; `with_speeds` gives every point its shape's
-    figures and refuses a point whose shape was not timed."""
+def test_timing_times_each_shape_once_and_keeps_each_bypass_pair_in_one_round_robin():
+    """06's timing step: one row per distinct shape (its first point), HARP and harp-mean of a level side by side
+    (so a group of an even size never splits them); 09's keeps the points' order; `with_speeds` gives every point
+    its shape's figures and refuses a point whose shape was not timed."""
     runs = pd.DataFrame([
         dict(method="dense", scope="", level="", n_layers=0, budget_params=0, shape="dense"),
         dict(method="harp", scope="attention", level="N=4", n_layers=4, budget_params=9, shape="h4"),
@@ -469,13 +469,10 @@ def test_timing_part_times_each_shape_once_and_keeps_each_bypass_pair_in_one_rou
         dict(method="harp-mean", scope="attention", level="N=2", n_layers=2, budget_params=5, shape="m2"),
         dict(method="harp-mean", scope="attention", level="N=4", n_layers=4, budget_params=9, shape="m4"),
     ]).assign(model="m")
-    alphas = pd.DataFrame([dict(set=s, layer=i, alpha=0.5) for s, layers in
-                           (("2", [2, 3]), ("4", [0, 1, 2, 3]), ("harp-mean N=2", [2, 3]),
-                            ("harp-mean N=4", [0, 1, 2, 3])) for i in layers])
-    part = {"runs": runs, "alphas": alphas, "records": {"f4": "record f4", "f4p": "record f4p"}}
-    rows = timed_rows(None, part)  # every baseline has its record: nothing is pruned again
-    assert [r["shape"] for r in rows] == ["h2", "m2", "h4", "m4", "f4", "f4p"]
-    assert rows[3]["alphas"] == {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5} and rows[4]["record"] == "record f4"
+    rows = runs[runs.method != "dense"].to_dict("records")
+    assert [r["shape"] for r in timed_order(rows, pairs_first=True)] == ["h2", "m2", "h4", "m4", "f4", "f4p"]
+    assert [r["shape"] for r in timed_order(rows, pairs_first=False)] == ["h4", "f4", "h2", "f4p", "m2", "m4"]
+    assert timed_order(rows, pairs_first=True)[2]["level"] == "N=4"  # the first point of a shape builds it
     speed = {s: {"speedup_8k": k + 1.0} for k, s in enumerate(["dense", "h2", "m2", "h4", "m4", "f4", "f4p"])}
     timed = with_speeds(runs.assign(speedup_8k=0.0), speed)
     assert timed.speedup_8k.tolist() == [1.0, 4.0, 6.0, 2.0, 4.0, 7.0, 3.0, 5.0]

@@ -9,13 +9,13 @@ import pytest
 from torch import nn
 
 from conftest import make_tiny
-from harp_src.compare.points import TIMING_GROUP, pack_groups, rebuild, settings_of, timing_groups
+from harp_src.compare.points import TIMING_GROUP, pack_groups, rebuild, timing_groups
 from harp_src.measure.timing import kv_bytes_formula
 from harp_src.model import loading
 from harp_src.model.loading import PACKAGED, param_count, require_installed
 from harp_src.model.weights import held_bytes, sharing_copy
 from harp_src.report.plots import curves_with_intervals, short_count
-from harp_src.studies.frontier import FrontierParams
+from harp_src.studies.frontier import FrontierParams, frontier_graph
 from harp_src.studies.scale import (
     BEST_REFERENCE,
     SCALE_COLUMNS,
@@ -136,13 +136,16 @@ def test_smaller_models_are_empty_until_06_has_its_frontier_tables(tmp_path):
     assert smaller_models(tmp_path, ["m"])[2] == {}  # a model measured here is not read from 06
 
 
-def test_gold_parameters_key_only_the_gold_parts():
-    """06's gold-bpb parameters are left out of its main parts' and steps' keys, so adding them (issue 29) reused
-    every stored step of a long run; the gold parts' keys hold them."""
+def test_a_steps_key_holds_only_what_it_depends_on():
+    """06's gold-bpb parameters key only its gold steps: changing them keeps every other stored step of a long run
+    (the same ids), and a step's id changes with what it does depend on."""
     p, q = FrontierParams.defaults(), FrontierParams.defaults(GOLD_LIMIT=7, GOLD_TASKS=["mbpp_gold_bpb"])
-    assert settings_of(p, exempt=True) == settings_of(q, exempt=True)
-    assert not set(FrontierParams.EXEMPT) & set(settings_of(p, exempt=True))
-    assert settings_of(p) != settings_of(q)
+    graphs = [frontier_graph(x)[0] for x in (p, q, FrontierParams.defaults(N_EVAL=3))]
+    gold = [{i for i, step in g.steps.items() if "gold" in step.label} for g in graphs]
+    assert set(graphs[0].steps) - gold[0] == set(graphs[1].steps) - gold[1]
+    assert gold[0] and gold[1] and not gold[0] & gold[1]
+    points = [{i for i, step in g.steps.items() if "point" in step.label} for g in graphs]
+    assert points[0] and not points[0] & points[2]  # more evaluation windows: every point is measured again
     with pytest.raises(ValueError, match="GOLD_METHODS names 'nope'"):
         FrontierParams.defaults(GOLD_METHODS=["nope"]).check()
 

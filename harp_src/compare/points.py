@@ -1,22 +1,22 @@
-"""Building and measuring points: HARP variants and baselines pruned from one dense model, each measured against it.
+"""Points (a HARP variant or a baseline pruned from one dense model, measured against it) as steps of a graph.
 
-A point is a recipe (method, scope, level, n_layers, budget, and α's for HARP variants). `ModelRun` holds what every
-point of one model is measured against: the dense model, the calibration windows (the α searches and data-driven
-baselines), the evaluation windows with their dense final states (dense runs once per window, not once per point),
-and where each step of the run is stored (`report.parts`), so an interrupted run resumes at its first missing step.
+A point is a recipe (method, scope, level, n_layers and where its budget and α's come from). Each piece of work on a
+model is a step (`harp_src.steps`): an α search, a point built and measured (fidelity on the evaluation windows and
+its tasks), a scoring of more tasks on chosen points, the timing of every shape. A step's key names what it depends
+on, its needs are the steps whose results it reads (the searched α's, the points), and its function loads what it
+needs itself through `steps.context`: the model by name, the windows by their spec, the dense states on them.
+`ModelSteps` declares one model's steps; a study declares its graph with it and reads the results into tables.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import pandas as pd
-from tqdm.auto import tqdm
 
-from ..data.corpora import ppl_windows
-from ..eval.fidelity import fidelity_windows, reference_states
+from ..eval.fidelity import fidelity_windows
 from ..eval.tasks import limits_for, run_tasks
 from ..measure.timing import REFERENCE, kv_bytes_formula, shape_key, time_shapes, trim_heap
 from ..method.accounting import param_report
@@ -24,10 +24,12 @@ from ..method.harp import HarpPlan, apply_harp
 from ..method.layer_choice import layer_scores, lowest_layers
 from ..method.search import search_alphas
 from ..model.adapter import fingerprint
+from ..model.loading import model_shape
 from ..model.weights import held_bytes, n_params, sharing_copy
 from ..pruning.methods import METHODS, SCOPES, UNSTRUCTURED
 from ..pruning.prune import pruned_copy, shared_copy
-from ..report.parts import stored_part, stored_step
+from ..steps import context
+from ..steps.graph import Graph, Step
 
 DENSE, HARP, HARP_BI, HARP_MEAN, PAPER = "dense", "harp", "harp-bi", "harp-mean", "paper"
 HARP_KINDS = (HARP, HARP_BI, HARP_MEAN)  # the bypass variants; HARP itself is always measured
@@ -47,14 +49,6 @@ COPIES_BYTES = 12 * 10**9
 def label(method: str, scope: str) -> str:
     """A point's name in tables: the method, plus the scope where the method has more than one."""
     return f"{method} [{scope}]" if len(SCOPES.get(method, ())) > 1 else method
-
-
-def settings_of(params, exempt: bool = False) -> dict:
-    """The parameters a stored part or step depends on (not which models run, nor whether to reuse). With `exempt`,
-    also not those in the parameter class's EXEMPT: parameters that only the parts and steps naming them in their own
-    key read (so adding one keeps every stored part and step of a long run)."""
-    skip = ("models", "reuse_parts", *(getattr(params, "EXEMPT", ()) if exempt else ()))
-    return {k: v for k, v in asdict(params).items() if k not in skip}
 
 
 def variants(specs: list[str]) -> list[tuple[str, str]]:
@@ -87,55 +81,7 @@ def check_named(name: str, wanted: list[str], methods: list[str]) -> None:
                          f"METHODS ({', '.join(methods)})")
 
 
-@dataclass
-class ModelRun:
-    """One model's share of a comparison: the dense model, its tokenizer, calibration and evaluation windows, the
-    dense final states of the evaluation windows, the study's parameters (a dataclass with seed, speed_lens,
-    speed_repeats, decode_steps, reuse_parts and NOTEBOOK), `tasks_for(recipe) -> (tasks, limit)`, and the
-    provenance of every stored step made or reused so far."""
-
-    name: str
-    dense: object
-    tok: object
-    calib: object
-    windows: object
-    states: list
-    params: object
-    tasks_for: Callable[[dict], tuple[list[str], object]]
-    made: list = field(default_factory=list)
-
-    def step(self, what: dict, compute):
-        """compute()'s result, stored per model, `what` and parameters: an interrupted run resumes after it."""
-        key = {"model": self.name, "step": what, **settings_of(self.params, exempt=True)}
-        return stored_step(self.params.NOTEBOOK, key, compute, self.params.reuse_parts, self.made)
-
-
-def open_run(name: str, dense, tok, params, tasks_for: Callable, states: bool = True) -> ModelRun:
-    """A model's run: calibration windows (n_calib × calib_len enwiki-train tokens), evaluation windows (n_eval ×
-    eval_len enwiki-test tokens) and, with `states`, the dense model's final states on them (for fidelity)."""
-    calib = ppl_windows(tok, "enwiki", "train", params.n_calib, params.calib_len, params.seed)
-    windows = ppl_windows(tok, "enwiki", "test", params.n_eval, params.eval_len, params.seed)
-    return ModelRun(name, dense, tok, calib, windows, reference_states(dense, windows) if states else [], params,
-                    tasks_for)
-
-
 # ---------------------------------------------------------------------------------------------- what is pruned
-def top_plans(run: ModelRun, levels: list[int], bypass: str = "identity") -> dict:
-    """{N: α's of the top N} for each N of `levels`, from one greedy top-down search of the deepest N (so every
-    shallower top-N's α's are its first N), stored as a step."""
-    L = fingerprint(run.dense.config)["num_layers"]
-    deepest = list(range(L - max(levels), L))
-    what = {"search": deepest} | ({} if bypass == "identity" else {"bypass": bypass})
-    alphas = run.step(what, lambda: search_alphas(run.dense, run.calib, deepest, bypass=bypass))
-    return {n: {i: alphas[i] for i in range(L - n, L)} for n in levels}
-
-
-def bi_plan(run: ModelRun, n_layers: int) -> dict:
-    """harp-bi's {layer: α}: the n_layers layers of lowest attention block influence, α's searched for them."""
-    return run.step({"search": HARP_BI}, lambda: search_alphas(
-        run.dense, run.calib, lowest_layers(layer_scores(run.dense, run.calib), "bi_attn", n_layers)))
-
-
 def real_drops(config, plans: dict, levels: list[int], quarter: int) -> dict:
     """HARP's real parameter drop at each level, and the paper's Q + K budget at quarter depth (under PAPER)."""
     fp = fingerprint(config)
@@ -157,65 +103,7 @@ def build(dense, recipe: dict, calib, *, share: bool = False):
     return model, None
 
 
-def level_points(run: ModelRun, chosen: list[tuple[str, str]], n: int) -> tuple[list[dict], dict, dict]:
-    """The recipes of one level (the top n layers): HARP, and each chosen (method, scope) at HARP's real drop, HARP
-    variants with their own α's (each search a stored step). Returns (recipes, {variant: α's}, {"harp_drop": n})."""
-    plans = {HARP: top_plans(run, [n])[n]}
-    if HARP_BI in dict(chosen):
-        plans[HARP_BI] = bi_plan(run, n)
-    if HARP_MEAN in dict(chosen):
-        plans[HARP_MEAN] = top_plans(run, [n], bypass="mean")[n]
-    drop = real_drops(run.dense.config, {n: plans[HARP]}, [n], n)[n]
-    level = f"N={n}"
-    recipes = [dict(method=HARP, scope="attention", level=level, n_layers=n, budget=drop, alphas=plans[HARP])]
-    for method, scope in chosen:
-        extra = {"alphas": plans[method]} if method in HARP_KINDS else {}
-        recipes.append(dict(method=method, scope=scope, level=level, n_layers=n, budget=drop, **extra))
-    return recipes, plans, {"harp_drop": drop}
-
-
-# ---------------------------------------------------------------------------------------------- quality
-def task_items(run: ModelRun, model, tasks: list[str], limit, shots: int = 0) -> list[dict]:
-    """Per-item results of `tasks` on `model` (`shots`-shot, zero by default; the fast scorer)."""
-    found: list = []
-    if tasks:
-        run_tasks(model, run.tok, tasks, limits_for(limit, run.name), num_fewshot=shots, batch_size=TASK_BATCH,
-                  items=found, verbose=False)
-    return found
-
-
-def measure(run: ModelRun, recipe: dict) -> tuple[dict, pd.DataFrame, list]:
-    """Prune one point and measure its quality: (run row, fidelity per window, task items)."""
-    model, record = build(run.dense, recipe, run.calib, share=True)
-    fid = fidelity_windows(run.dense, model, run.windows, ref_states=run.states, progress=False)
-    found = task_items(run, model, *run.tasks_for(recipe))
-    row = {k: recipe[k] for k in ("method", "scope", "level", "n_layers")} | {
-        "budget_params": recipe["budget"], "params_removed": n_params(run.dense) - n_params(model),
-        "weights_zeroed": 0 if record is None else record.weights_zeroed, "shape": shape_key(model, record),
-        "record": record, "alphas": recipe.get("alphas")}
-    return row, fid, found
-
-
-def measure_points(run: ModelRun, recipes: list[dict]) -> tuple[list, list, list]:
-    """Measure every recipe, each a stored step: (run rows, fidelity per window, task items). A recipe with
-    `same_as` (HARP at the paper level) repeats the HARP point of that level instead of measuring it again."""
-    rows, fids, items = [], [], []
-    for recipe in tqdm(recipes, desc=f"{run.name}: points"):
-        if "same_as" in recipe:
-            twin = next(r for r in rows if r["method"] == HARP and r["level"] == recipe["same_as"])
-            rows.append(twin | {"level": recipe["level"], "budget_params": recipe["budget"]})
-            fids.append(fids[rows.index(twin)].assign(level=recipe["level"]))
-            items += [i | {"level": recipe["level"]} for i in items
-                      if i["method"] == HARP and i["level"] == twin["level"]]
-            continue
-        row, fid, found = run.step({"point": recipe}, lambda r=recipe: measure(run, r))
-        rows.append(row)
-        fids.append(fid.assign(method=recipe["method"], scope=recipe["scope"], level=recipe["level"]))
-        items += [dict(model=run.name, method=recipe["method"], scope=recipe["scope"], level=recipe["level"], **r)
-                  for r in found]
-    return rows, fids, items
-
-
+# ---------------------------------------------------------------------------------------------- tables
 def best_baseline(fidelity: pd.DataFrame) -> str:
     """The label of the structured baseline (neither a HARP variant nor unstructured Wanda, which removes no
     parameter) with the lowest mean enwiki KL; "" when none was measured."""
@@ -230,22 +118,6 @@ def chosen_rows(rows: list[dict], names: list[str], best: str) -> list[dict]:
     """The measured points named in `names` (a method, a method's label, or BEST for the label `best`)."""
     wanted = {best if n == BEST else n for n in names}
     return [r for r in rows if r["method"] in wanted or label(r["method"], r["scope"]) in wanted]
-
-
-def scored_points(run: ModelRun, rows: list[dict], tasks: list[str], limit, shots: int = 0, *,
-                  dense: bool = True) -> list[dict]:
-    """Per-item results of `tasks` on dense (unless `dense` is False) and on each of `rows`' points (rebuilt from
-    their records or α's), one stored step per point and task set (its key names the tasks, limit and shots), as item
-    rows (model, method, scope, level, task, doc_id, correct, raw)."""
-    items = []
-    for row in ([None] if dense else []) + list(rows):
-        what = {"tasks": tasks, "limit": limit, "shots": shots,
-                "point": DENSE if row is None else {k: row[k] for k in ("method", "scope", "level")}}
-        found = run.step(what, lambda row=row: task_items(
-            run, run.dense if row is None else rebuild(run.dense, row), tasks, limit, shots))
-        method, scope, level = (DENSE, "", "") if row is None else (row["method"], row["scope"], row["level"])
-        items += [dict(model=run.name, method=method, scope=scope, level=level, **r) for r in found]
-    return items
 
 
 def run_table(name: str, rows: list[dict], speed: dict | None = None) -> pd.DataFrame:
@@ -310,19 +182,6 @@ def timing_groups(dense, builders: dict[str, Callable], long: int, budget: int =
     return pack_groups(sizes, budget - held_bytes(dense) - cache, TIMING_GROUP)
 
 
-def speeds(run: ModelRun, rows: list[dict]) -> dict[str, dict]:
-    """{shape: speed-ups, decode speed and KV bytes per token} of every distinct pruned shape and of dense (DENSE),
-    the shapes in `timing_groups`, each timed in one round-robin with dense at both prompt lengths and stored as a
-    step."""
-    p = run.params
-    first = {r["shape"]: r for r in reversed(rows)}
-    builders = {s: (lambda s=s: rebuild(run.dense, first[s])) for s in dict.fromkeys(r["shape"] for r in rows)}
-    timed = time_shapes(run.dense, builders, tuple(p.speed_lens), repeats=p.speed_repeats, seed=p.seed,
-                        decode_steps=p.decode_steps, groups=timing_groups(run.dense, builders, p.speed_lens[1]),
-                        desc=f"{run.name}: timing", store=lambda names, compute: run.step({"timing": names}, compute))
-    return {DENSE if k == REFERENCE else k: speed_row(*v, p.speed_lens[1]) for k, v in timed.items()}
-
-
 SPEED_COLUMNS = ("speedup_2k", "speedup_8k", "decode_speedup_8k", "decode_tokens_per_s_8k", "kv_bytes_per_token")
 
 
@@ -333,13 +192,271 @@ def speed_row(fast: dict, slow: dict, long: int) -> dict:
             "kv_bytes_per_token": slow["kv_bytes"] / long}
 
 
-def model_parts(params, compute: Callable[[str], dict], tables: tuple[str, ...]) -> dict:
-    """Each model's part, `compute(name)`, stored under the study's parameters (reused with REUSE_PARTS), and joined:
-    the `tables` concatenated, infos (with each part's provenance) and seconds."""
-    parts = []
-    for name in params.models:
-        part, made = stored_part(params.NOTEBOOK, {"model": name, **settings_of(params)},
-                                 lambda name=name: compute(name), params.reuse_parts)
-        parts.append(part | {"info": part["info"] | {"part": made}})
-    return {**{k: pd.concat([part[k] for part in parts], ignore_index=True) for k in tables},
-            "infos": [part["info"] for part in parts], "seconds": pd.DataFrame([part["seconds"] for part in parts])}
+# ---------------------------------------------------------------------------------------------- steps
+MEMORY_FACTOR = 3  # a step holds dense, one pruned copy's own weights and activations: ~3 model sizes at most
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def setup_of(params, name: str) -> dict:
+    """What every step of a model depends on: the model, its dtype and device, and the calibration and evaluation
+    windows (one spec from the study to the pruner)."""
+    return {"model": name, "dtype": params.dtype, "device": params.device, "n_calib": params.n_calib,
+            "calib_len": params.calib_len, "n_eval": params.n_eval, "eval_len": params.eval_len,
+            "seed": params.seed}
+
+
+@dataclass
+class ModelSteps:
+    """Declares one model's steps of a study into `graph`: each step gets the model's setup in its key and the
+    resources a step on this model needs (memory from its size, a GPU on cuda)."""
+
+    graph: Graph
+    notebook: str
+    setup: dict
+    num_layers: int
+    params: int
+
+    @classmethod
+    def open(cls, graph: Graph, params, name: str) -> ModelSteps:
+        shape = model_shape(name)
+        return cls(graph, params.NOTEBOOK, setup_of(params, name), shape["num_layers"], shape["params"])
+
+    def add(self, fn: Callable, key: dict, needs: dict | None = None, label: str = "", *, alone: bool = False,
+            size: float = 1.0) -> str:
+        """Declare `fn(key, inputs)` (a function of this module or a study's) as a step; returns its id."""
+        memory = MEMORY_FACTOR * self.params * DTYPE_BYTES.get(self.setup["dtype"], 4)
+        step = Step(self.notebook, f"{fn.__module__}:{fn.__name__}", {"setup": self.setup, **key}, needs or {},
+                    f"{self.setup['model']}: {label}", gpus=int(self.setup["device"].startswith("cuda")),
+                    memory=memory, alone=alone, size=size * self.params / 1e8)
+        return self.graph.add(step)
+
+    def search(self, deepest: int, bypass: str = "identity") -> str:
+        """The greedy top-down α search of the deepest `deepest` layers (every shallower top-N's α's are its first
+        N)."""
+        layers = list(range(self.num_layers - deepest, self.num_layers))
+        return self.add(search_step, {"layers": layers, "bypass": bypass}, label=f"search {bypass} top-{deepest}",
+                        size=deepest * self.setup["n_calib"] * self.setup["calib_len"] / 256)
+
+    def bi_search(self, n: int) -> str:
+        """harp-bi's α's: the n layers of lowest attention block influence, searched."""
+        return self.add(search_step, {"bi": n, "bypass": "identity"}, label=f"search harp-bi {n}",
+                        size=n * self.setup["n_calib"] * self.setup["calib_len"] / 256)
+
+    def point(self, recipe: dict, plan: str, alphas: str | None, tasks: list[str], limit) -> str:
+        """A point built and measured: `recipe` (method, scope, level, n_layers, budget: "N" or PAPER), its budget
+        from the identity search `plan`, a HARP variant's α's from `alphas` (a search step), and `tasks`."""
+        needs = {"plan": plan} | ({"alphas": alphas} if alphas else {})
+        size = self.setup["n_eval"] * self.setup["eval_len"] / 512 + _items(limit, tasks, self.setup["model"]) / 20
+        return self.add(point_step, {"recipe": recipe, "tasks": list(tasks), "limit": limit}, needs,
+                        f"point {label(recipe['method'], recipe['scope'])} {recipe['level']}", size=size)
+
+    def scored(self, point: str | dict, tasks: list[str], limit, shots: int = 0, label_: str = "") -> str:
+        """More tasks on dense (`point` = DENSE), one point (a point step's id), or BEST: {"best": [point ids]}, the
+        structured baseline closest to dense on KL among them."""
+        if point == DENSE:
+            needs, which = {}, DENSE
+        elif isinstance(point, dict):
+            needs, which = {f"p{k}": i for k, i in enumerate(point["best"])}, BEST
+        else:
+            needs, which = {"p0": point}, "point"
+        size = _items(limit, tasks, self.setup["model"]) * (1 + shots) / 20
+        return self.add(scored_step, {"which": which, "tasks": list(tasks), "limit": limit, "shots": shots}, needs,
+                        f"tasks {label_ or which} {','.join(tasks)[:40]}", size=size)
+
+    def timing(self, points: list[str], speed: dict, pairs_first: bool) -> str:
+        """Every distinct shape of `points` timed against dense at two prompt lengths: alone on its node."""
+        size = len(points) * speed["speed_lens"][1] / 600  # a 2k and an 8k prefill per shape beside dense
+        return self.add(timing_step, {"speed": speed, "pairs_first": pairs_first},
+                        {f"p{k}": i for k, i in enumerate(points)}, "timing", alone=True, size=size)
+
+
+def _items(limit, tasks: list[str], model: str) -> int:
+    """How many task items a limit asks for (for size estimates)."""
+    limit = limits_for(limit, model)
+    if isinstance(limit, dict):
+        return sum(int(limit.get(t, 100) or 0) for t in tasks)
+    return len(tasks) * int(limit or 100)
+
+
+def search_step(key: dict, inputs: dict) -> dict:
+    """{layer: α}: the greedy search of key's layers (or harp-bi's `bi` layers of lowest block influence)."""
+    setup = key["setup"]
+    dense, calib = context.dense(setup)[0], context.windows(setup, "train")
+    layers = key.get("layers") or lowest_layers(layer_scores(dense, calib), "bi_attn", key["bi"])
+    return search_alphas(dense, calib, layers, **({} if key["bypass"] == "identity" else {"bypass": key["bypass"]}))
+
+
+def top(alphas: dict, n: int, num_layers: int) -> dict:
+    """The α's of the top n layers from a search of the deepest layers."""
+    return {i: alphas[i] for i in range(num_layers - n, num_layers)}
+
+
+def recipe_of(key: dict, inputs: dict, config) -> dict:
+    """A point step's full recipe: its budget (HARP's real drop at its level, or the paper's Q + K at `paper`) and a
+    HARP variant's α's."""
+    r, L = dict(key["recipe"]), fingerprint(config)["num_layers"]
+    n = r["n_layers"]
+    drops = real_drops(config, {n: top(inputs["plan"], n, L)}, [n], n)
+    budget = drops[PAPER] if r.pop("budget") == PAPER else drops[n]
+    r["budget"] = budget
+    if r["method"] == HARP:
+        r["alphas"] = top(inputs["plan"], n, L)
+    elif r["method"] == HARP_MEAN:
+        r["alphas"] = top(inputs["alphas"], n, L)
+    elif r["method"] == HARP_BI:
+        r["alphas"] = inputs["alphas"]
+    return r
+
+
+def task_items(name: str, tok, model, tasks: list[str], limit, shots: int = 0) -> list[dict]:
+    """Per-item results of `tasks` on `model` (`shots`-shot, zero by default; the fast scorer)."""
+    found: list = []
+    if tasks:
+        run_tasks(model, tok, tasks, limits_for(limit, name), num_fewshot=shots, batch_size=TASK_BATCH,
+                  items=found, verbose=False)
+    return found
+
+
+def point_step(key: dict, inputs: dict) -> tuple[dict, pd.DataFrame, list]:
+    """Prune one point and measure its quality: (row, fidelity per window, task items). The row keeps the
+    baseline's record or the variant's α's, so later steps rebuild the point without pruning again."""
+    setup = key["setup"]
+    dense, tok = context.dense(setup)
+    recipe = recipe_of(key, inputs, dense.config)
+    model, record = build(dense, recipe, context.windows(setup, "train"), share=True)
+    fid = fidelity_windows(dense, model, context.windows(setup, "test"), ref_states=context.states(setup),
+                           progress=False)
+    found = task_items(setup["model"], tok, model, key["tasks"], key["limit"])
+    row = {k: recipe[k] for k in ("method", "scope", "level", "n_layers")} | {
+        "budget_params": recipe["budget"], "params_removed": n_params(dense) - n_params(model),
+        "weights_zeroed": 0 if record is None else record.weights_zeroed, "shape": shape_key(model, record),
+        "record": record, "alphas": recipe.get("alphas")}
+    return row, fid.assign(method=recipe["method"], scope=recipe["scope"], level=recipe["level"]), found
+
+
+def best_point(points: list[tuple]) -> tuple | None:
+    """Of measured points (point step results), the structured baseline closest to dense on mean enwiki KL."""
+    fidelity = pd.concat([p[1] for p in points], ignore_index=True)
+    best = best_baseline(fidelity)
+    return next((p for p in points if label(p[0]["method"], p[0]["scope"]) == best), None)
+
+
+def scored_step(key: dict, inputs: dict) -> dict:
+    """{"point": (method, scope, level) or None for dense, "items": per-item results of key's tasks}."""
+    setup = key["setup"]
+    dense, tok = context.dense(setup)
+    if key["which"] == DENSE:
+        row = None
+    elif key["which"] == BEST:
+        found = best_point([inputs[f"p{k}"] for k in range(len(inputs))])
+        if found is None:
+            return {"point": None, "items": [], "none": True}  # no structured baseline measured: `best` is empty
+        row = found[0]
+    else:
+        row = inputs["p0"][0]
+    model = dense if row is None else rebuild(dense, row)
+    items = task_items(setup["model"], tok, model, key["tasks"], key["limit"], key["shots"])
+    return {"point": None if row is None else (row["method"], row["scope"], row["level"]), "items": items}
+
+
+def timing_step(key: dict, inputs: dict) -> dict[str, dict]:
+    """{shape: speed row} of every distinct shape of the input points and of dense (DENSE), each group of shapes
+    (`timing_groups`) timed in one round-robin with dense at both prompt lengths. With `pairs_first`, identity HARP
+    and harp-mean of each level come first, side by side, so each pair shares a round-robin."""
+    setup, speed = key["setup"], key["speed"]
+    dense = context.dense(setup)[0]
+    first = {r["shape"]: r for r in timed_order([inputs[f"p{k}"][0] for k in range(len(inputs))],
+                                                   key["pairs_first"])}
+    builders = {s: (lambda s=s: rebuild(dense, first[s])) for s in first}
+    lens = tuple(speed["speed_lens"])
+    timed = time_shapes(dense, builders, lens, repeats=speed["speed_repeats"], seed=setup["seed"],
+                        decode_steps=speed["decode_steps"], groups=timing_groups(dense, builders, lens[1]),
+                        desc=f"{setup['model']}: timing")
+    return {DENSE if k == REFERENCE else k: speed_row(*v, lens[1]) for k, v in timed.items()}
+
+
+def timed_order(rows: list[dict], pairs_first: bool) -> list[dict]:
+    """The rows a timing builds, one per distinct shape (its first point). With `pairs_first`, identity HARP and
+    harp-mean of each level come first, by depth, side by side, so each pair shares a round-robin
+    (`timing_groups` fills groups of TIMING_GROUP, an even number, in order)."""
+    if pairs_first:
+        pair = [r for r in rows if r["method"] in (HARP, HARP_MEAN) and r["level"].startswith("N=")]
+        pair = sorted(pair, key=lambda r: (r["n_layers"], r["method"]))
+        rows = pair + [r for r in rows if not any(r is q for q in pair)]
+    first: dict = {}
+    for r in rows:
+        first.setdefault(r["shape"], r)
+    return list(first.values())
+
+
+def speed_settings(params) -> dict:
+    """The timing's parameters (a timing step's key)."""
+    return {"speed_lens": list(params.speed_lens), "speed_repeats": params.speed_repeats,
+            "decode_steps": params.decode_steps}
+
+
+def points_of(results: dict, ids: list[str]) -> tuple[list[dict], list[pd.DataFrame], list[list]]:
+    """(rows, fidelity tables, task items) of point steps, in order."""
+    found = [results[i] for i in ids]
+    return [f[0] for f in found], [f[1] for f in found], [f[2] for f in found]
+
+
+def item_rows(name: str, method: str, scope: str, level: str, found: list) -> list[dict]:
+    """Task items as the study's item rows."""
+    return [dict(model=name, method=method, scope=scope, level=level, **r) for r in found]
+
+
+def level_steps(ms: ModelSteps, chosen: list[tuple[str, str]], n: int, tasks: list[str], limit) -> dict:
+    """One level's steps (the top n layers): the searches (HARP, and harp-bi's and harp-mean's where chosen) and a
+    point per recipe, HARP first, each chosen (method, scope) at HARP's real drop. Returns their ids: search, and
+    points in recipe order."""
+    ids = {"search": ms.search(n)}
+    alphas = {}
+    if HARP_BI in dict(chosen):
+        alphas[HARP_BI] = ms.bi_search(n)
+    if HARP_MEAN in dict(chosen):
+        alphas[HARP_MEAN] = ms.search(n, "mean")
+    level = f"N={n}"
+    recipes = [dict(method=HARP, scope="attention", level=level, n_layers=n, budget="N")]
+    recipes += [dict(method=m, scope=s, level=level, n_layers=n, budget="N") for m, s in chosen]
+    ids["points"] = [ms.point(r, ids["search"], alphas.get(r["method"]), tasks, limit) for r in recipes]
+    ids["extra"] = list(alphas.values())
+    return ids
+
+
+def chosen_steps(ms: ModelSteps, points: list[str], names: list[str], tasks: list[str], limit, shots: int = 0
+                 ) -> list[tuple[str, str]]:
+    """Scoring steps of `tasks` on dense and on the points named in `names` (a method, a label, or BEST: the
+    structured baseline closest to dense on KL among `points`): [(role, step id)], role "dense", a point id, or
+    BEST."""
+    out = [(DENSE, ms.scored(DENSE, tasks, limit, shots))]
+    for i in points:
+        r = ms.graph.steps[i].key["recipe"]
+        if r["method"] in names or label(r["method"], r["scope"]) in names:
+            out.append((i, ms.scored(i, tasks, limit, shots, label_=label(r["method"], r["scope"]))))
+    if BEST in names:
+        structured = [i for i in points if ms.graph.steps[i].key["recipe"]["method"] not in HARP_KINDS]
+        out.append((BEST, ms.scored({"best": structured}, tasks, limit, shots, label_="best")))
+    return out
+
+
+def chosen_items(name: str, results: dict, points: list[str], chosen: list[tuple[str, str]]) -> list[dict]:
+    """The item rows of `chosen_steps`' results: dense first, then the chosen points in the order of `points` (the
+    best baseline at its own place, once)."""
+    found = {role: results[i] for role, i in chosen}
+    items = [dict(model=name, method=DENSE, scope="", level="", **r) for r in found.pop(DENSE, {"items": []})["items"]]
+    best = found.pop(BEST, None)
+    best_at = None if best is None or best.get("none") else tuple(best["point"])
+    for i in points:
+        row = results[i][0]
+        at = (row["method"], row["scope"], row["level"])
+        if i in found:
+            part = found[i]
+        elif best_at == at:
+            part = best
+        else:
+            continue
+        if at == best_at:
+            best_at = None  # named and best: scored once in the old walk, listed once here
+        items += item_rows(name, *at, part["items"])
+    return items

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from ..report.files import atomic_path, write_json
 from .adapter import family_of, get_adapter
 from .modeling_harp import CLASSES, STRUCTURE
+from .paper import PAPER_MODELS
 from .weights import n_params
 
 
@@ -141,8 +142,6 @@ def model_shape(name_or_path: str) -> dict:
     """{"num_layers", "params"} of a model from its config alone (no weights): a packaged name or a local folder,
     one of the paper's Hub models (their public shapes, so a graph on them is declared without the Hub), or another
     Hub id (its config fetched)."""
-    from .paper import PAPER_MODELS
-
     if name_or_path in PAPER_MODELS and not Path(name_or_path).is_dir():
         return dict(PAPER_MODELS[name_or_path])
     if name_or_path in PACKAGED and not (_converted_dir_path(PACKAGED[name_or_path]) / "config.json").exists():

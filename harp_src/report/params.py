@@ -8,6 +8,7 @@ import json
 import types
 import typing
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import ClassVar, Self
 
 from .files import ROOT
@@ -16,9 +17,9 @@ from .files import ROOT
 NOTEBOOKS = ROOT / "notebooks"
 
 
-def profile_names() -> list[str]:
+def profile_names(notebooks: Path = NOTEBOOKS) -> list[str]:
     """The profiles a notebook may be run with: the files notebooks/profiles/NAME.yaml (quick, full, paper, ...)."""
-    return sorted(p.stem for p in (NOTEBOOKS / "profiles").glob("*.yaml"))
+    return sorted(p.stem for p in (notebooks / "profiles").glob("*.yaml"))
 
 
 def parameters_source(notebook: str) -> str:

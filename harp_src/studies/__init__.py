@@ -15,5 +15,17 @@
 | 10_recovery | `recovery` |
 
 Studies import the capability subpackages of `harp_src` (and `checkpoints.load_model`), never each other; 06, 09 and
-10 share their machinery through `harp_src.compare`.
+10 share their machinery through `harp_src.compare`, and are declared as graphs of stored steps (`harp_src.steps`),
+listed by `graphs()`.
 """
+
+from .frontier import FrontierParams, frontier_graph
+from .recovery import RecoveryParams, recovery_graph
+from .scale import ScaleParams, scale_graph
+
+
+def graphs() -> dict:
+    """{notebook: (its parameter class, its graph function)} of the studies declared as graphs of steps: the runner
+    runs their steps on an executor before the notebooks render them."""
+    return {"06_baselines": (FrontierParams, frontier_graph), "09_scale": (ScaleParams, scale_graph),
+            "10_recovery": (RecoveryParams, recovery_graph)}

@@ -21,14 +21,13 @@ machine's load; timing does, so a part of its own can be remeasured on a quiet m
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
 import pandas as pd
 
-from ..checkpoints import load_model
 from ..compare.points import (
+    BEST,
     DENSE,
     HARP,
     HARP_BI,
@@ -37,32 +36,26 @@ from ..compare.points import (
     LAMBADA,
     PAPER,
     SPEED_COLUMNS,
-    ModelRun,
-    best_baseline,
-    bi_plan,
-    build,
+    ModelSteps,
     check_named,
-    chosen_rows,
+    item_rows,
     label,
-    measure_points,
-    open_run,
+    points_of,
     real_drops,
     run_table,
-    scored_points,
-    settings_of,
-    speeds,
-    task_items,
-    top_plans,
+    speed_settings,
+    top,
     variants,
     with_speeds,
 )
 from ..compare.tables import FRONTIER_COLUMNS, frontier_table, mean_versus_identity, verdict, versus_harp
-from ..measure.timing import shape_key
 from ..method.layers import quarter_depth
-from ..model.adapter import fingerprint
 from ..model.loading import model_info
 from ..report.params import StudyParams
-from ..report.parts import steps_summary, stored_part
+from ..report.parts import steps_summary
+from ..steps import context
+from ..steps.executors import Outcome, run_steps
+from ..steps.graph import Graph
 
 __all__ = ["DENSE", "FRONTIER_COLUMNS", "HARP", "HARP_KINDS", "FrontierParams", "frontier_study", "frontier_table",
            "label", "mean_versus_identity", "summarise_frontier", "variants", "verdict", "versus_harp"]
@@ -78,7 +71,6 @@ class FrontierParams(StudyParams):
     TYPES: ClassVar[dict] = {"LEVELS": list | dict, "LIMIT_MAIN": int | dict, "LIMIT_LEVELS": int | dict,
                              "TASKS_MAIN": list[str], "GOLD_TASKS": list[str], "GOLD_LIMIT": int | dict,
                              "GOLD_METHODS": list[str]}
-    EXEMPT: ClassVar[tuple] = ("gold_tasks", "gold_limit", "gold_methods")  # only the gold parts read them
     models: list[str]
     methods: list[str]
     levels: list | dict
@@ -118,215 +110,192 @@ def levels_for(levels: list | dict, name: str) -> list[int]:
     return list(levels[name] if isinstance(levels, dict) else levels)
 
 
-def _recipes(chosen, levels: list[int], quarter: int, plans: dict, budgets: dict) -> list[dict]:
+def _recipes(chosen, levels: list[int], quarter: int) -> list[dict]:
     """Every point to measure: HARP at each level, the chosen variants at HARP's real drop there (quarter-only ones
     at quarter depth), and the baselines at the paper's Q + K budget (level "paper", HARP's quarter-depth row beside
-    them)."""
+    them, `same_as` that level's HARP point)."""
     out = []
     for n in levels:
         level = f"N={n}"
-        out.append(dict(method=HARP, scope="attention", level=level, n_layers=n, budget=budgets[n], alphas=plans[n]))
-        for method, scope in chosen:
-            if method in QUARTER_ONLY and n != quarter:
-                continue
-            extra = {"alphas": plans[HARP_BI]} if method == HARP_BI else {}
-            out.append(dict(method=method, scope=scope, level=level, n_layers=n, budget=budgets[n], **extra))
-    out.append(dict(method=HARP, scope="attention", level=PAPER, n_layers=quarter, budget=budgets[PAPER],
-                    alphas=plans[quarter], same_as=f"N={quarter}"))
-    out += [dict(method=m, scope=s, level=PAPER, n_layers=quarter, budget=budgets[PAPER])
+        out.append(dict(method=HARP, scope="attention", level=level, n_layers=n, budget="N"))
+        out += [dict(method=m, scope=s, level=level, n_layers=n, budget="N") for m, s in chosen
+                if m not in QUARTER_ONLY or n == quarter]
+    out.append(dict(method=HARP, scope="attention", level=PAPER, n_layers=quarter, budget=PAPER,
+                    same_as=f"N={quarter}"))
+    out += [dict(method=m, scope=s, level=PAPER, n_layers=quarter, budget=PAPER)
             for m, s in chosen if m not in QUARTER_ONLY]
     return out
 
 
 def _tasks_for(p: FrontierParams, quarter: int):
-    """recipe -> (tasks, item limit): the main tasks at quarter depth (and for dense), LAMBADA alone elsewhere."""
+    """recipe -> (tasks, item limit): the main tasks at quarter depth, LAMBADA alone elsewhere."""
     def tasks_for(recipe: dict) -> tuple[list[str], object]:
-        if recipe["level"] == f"N={quarter}" or recipe["method"] == DENSE:
+        if recipe["level"] == f"N={quarter}":
             return p.tasks_main, p.limit_main
         return ([LAMBADA] if LAMBADA in p.tasks_main else []), p.limit_levels
     return tasks_for
 
 
-def _plans(run: ModelRun, levels: list[int], quarter: int) -> dict:
-    """{N: α's of the top N}, and harp-bi's {layer: α} under HARP_BI (each searched on the calibration windows)."""
-    return top_plans(run, levels) | {HARP_BI: bi_plan(run, quarter)}
+def info_step(key: dict, inputs: dict) -> dict:
+    """The model's provenance (source, checksum, shapes) for the recorded metrics, and HARP's real drop at each
+    level with the paper's Q + K budget at quarter depth (`budgets`)."""
+    config = context.dense(key["setup"])[0].config
+    plans = {n: top(inputs["plan"], n, key["num_layers"]) for n in key["levels"]}
+    budgets = real_drops(config, plans, key["levels"], key["quarter"])
+    return model_info(context.dense(key["setup"])[0]) | {"budgets": {str(k): int(v) for k, v in budgets.items()}}
 
 
-def _setup(name: str, p: FrontierParams, states: bool = True) -> tuple[ModelRun, list[int], int]:
-    """The model's run (dense model, windows, with `states` the dense states), its levels and its quarter depth."""
-    dense, tok = load_model(name, dtype=p.dtype, device=p.device)
-    quarter = quarter_depth(fingerprint(dense.config)["num_layers"])
-    run = open_run(name, dense, tok, p, _tasks_for(p, quarter), states)
-    return run, sorted(set(levels_for(p.levels, name)) | {quarter}), quarter
-
-
-def _gold_rows(run: ModelRun, part: dict, quarter: str) -> list[dict]:
-    """The quarter-depth points of GOLD_METHODS, rebuilt from a model's finished parts: HARP variants from their α's,
-    `best` (the baseline closest to dense on KL there) pruned again by its deterministic rule."""
-    p, fid, alphas = run.params, part["fidelity"], part["alphas"]
-    best = best_baseline(fid[fid.level == quarter])
-    runs = part["runs"][part["runs"].level == quarter]
-    rows = []
-    for r in runs.itertuples():
-        if r.method not in HARP_KINDS and label(r.method, r.scope) != best:
+def _declare_model(graph: Graph, p: FrontierParams, name: str) -> dict:
+    """One model's steps (searches, points, harp-mean, gold scoring, timing); returns their ids by role."""
+    ms = ModelSteps.open(graph, p, name)
+    quarter = quarter_depth(ms.num_layers)
+    levels = sorted(set(levels_for(p.levels, name)) | {quarter})
+    tasks_for = _tasks_for(p, quarter)
+    ids = {"name": name, "graph": graph, "quarter": quarter, "num_layers": ms.num_layers, "levels": levels,
+           "search": ms.search(max(levels)), "bi": ms.bi_search(quarter)}
+    ids["info"] = ms.add(info_step, {"levels": levels, "quarter": quarter, "num_layers": ms.num_layers},
+                         {"plan": ids["search"]}, "info")
+    ids["dense"] = ms.scored(DENSE, p.tasks_main, p.limit_main)
+    chosen = [v for v in variants(p.methods) if v[0] != HARP_MEAN]  # harp-mean: points of their own, below
+    ids["main"] = []
+    for recipe in _recipes(chosen, levels, quarter):
+        if "same_as" in recipe:
+            ids["main"].append(recipe)
             continue
-        row = dict(method=r.method, scope=r.scope, level=quarter, record=None)
-        if r.method in HARP_KINDS:
-            name = {HARP: quarter.removeprefix("N="), HARP_MEAN: f"{HARP_MEAN} {quarter}"}.get(r.method, HARP_BI)
-            plan = alphas[alphas.set == name]
-            row["alphas"] = dict(zip(plan.layer.astype(int), plan.alpha, strict=True))
-        else:
-            recipe = dict(method=r.method, scope=r.scope, budget=int(r.budget_params))
-            row["record"] = build(run.dense, recipe, run.calib, share=True)[1]
+        alphas = ids["bi"] if recipe["method"] == HARP_BI else None
+        ids["main"].append(ms.point(recipe, ids["search"], alphas, *tasks_for(recipe)))
+    ids["mean"] = []
+    if HARP_MEAN in dict(variants(p.methods)):
+        ids["mean_search"] = ms.search(max(levels), "mean")
+        for n in levels:
+            recipe = dict(method=HARP_MEAN, scope="attention", level=f"N={n}", n_layers=n, budget="N")
+            ids["mean"].append(ms.point(recipe, ids["search"], ids["mean_search"], *tasks_for(recipe)))
+    points = [i for i in ids["main"] if isinstance(i, str)] + ids["mean"]
+    ids["gold"] = _declare_gold(ms, p, ids, quarter) if p.gold_tasks else []
+    ids["timing"] = ms.timing(points, speed_settings(p), pairs_first=True)
+    return ids
+
+
+def _declare_gold(ms: ModelSteps, p: FrontierParams, ids: dict, quarter: int) -> list:
+    """Gold-answer bits per byte on dense and the quarter-depth points of GOLD_METHODS (HARP variants by name, the
+    baseline closest to dense on KL as `best`): [(role, step id)]."""
+    level = f"N={quarter}"
+    at_quarter = [(r, i) for r, i in zip(_recipes_of(ids), _point_ids(ids), strict=True) if r["level"] == level]
+    out = [("dense", ms.scored(DENSE, p.gold_tasks, p.gold_limit, label_="gold dense"))]
+    for r, i in at_quarter:
+        if r["method"] in HARP_KINDS and (r["method"] in p.gold_methods or label(r["method"], r["scope"])
+                                          in p.gold_methods):
+            out.append((r["method"], ms.scored(i, p.gold_tasks, p.gold_limit, label_=f"gold {r['method']}")))
+    if BEST in p.gold_methods:
+        structured = [i for r, i in at_quarter if r["method"] not in HARP_KINDS]
+        out.append((BEST, ms.scored({"best": structured}, p.gold_tasks, p.gold_limit, label_="gold best")))
+    return out
+
+
+def _point_ids(ids: dict) -> list[str]:
+    return [i for i in ids["main"] if isinstance(i, str)] + ids["mean"]
+
+
+def _recipes_of(ids: dict) -> list[dict]:
+    """The recipes of a model's point steps, in `_point_ids` order (read back from the graph's keys)."""
+    return [ids["graph"].steps[i].key["recipe"] for i in _point_ids(ids)]
+
+
+def frontier_graph(p: FrontierParams) -> tuple[Graph, list[dict]]:
+    """The study's steps for every model, and each model's step ids by role."""
+    p.check()
+    graph, models = Graph(), []
+    for name in p.models:
+        models.append(_declare_model(graph, p, name))
+    return graph, models
+
+
+def _assemble(ids: dict, out: Outcome, p: FrontierParams) -> dict:
+    """One model's tables from its stored steps, in the order the study always wrote them."""
+    name, res = ids["name"], out.results
+    quarter = f"N={ids['quarter']}"
+    info = dict(res[ids["info"]])
+    budgets = info.pop("budgets")
+    rows, fids, items = [], [], []
+    for entry in ids["main"]:
+        if isinstance(entry, dict):  # HARP at the paper level repeats its quarter-depth point
+            twin = next(r for r in rows if r["method"] == HARP and r["level"] == entry["same_as"])
+            rows.append(twin | {"level": entry["level"], "budget_params": budgets[PAPER]})
+            fids.append(fids[rows.index(twin)].assign(level=entry["level"]))
+            items += [i | {"level": entry["level"]} for i in items
+                      if i["method"] == HARP and i["level"] == twin["level"]]
+            continue
+        row, fid, found = res[entry]
         rows.append(row)
-    return chosen_rows(rows, p.gold_methods, best)
-
-
-def _gold_part(name: str, p: FrontierParams, part: dict) -> dict:
-    """Gold-answer bits per byte (GOLD_TASKS) on dense and the quarter-depth points of GOLD_METHODS, each point and
-    task set a stored step; a part of its own, so adding it reused the finished main and harp-mean parts."""
-    start = time.perf_counter()
-    run, _, quarter = _setup(name, p, states=False)  # no fidelity here: the dense states are not needed
-    items = scored_points(run, _gold_rows(run, part, f"N={quarter}"), p.gold_tasks, p.gold_limit)
-    return {"items": pd.DataFrame(items), "steps": steps_summary(run.made),
-            "seconds": time.perf_counter() - start}
-
-
-def _model_part(name: str, p: FrontierParams) -> dict:
-    start = time.perf_counter()
-    run, levels, quarter = _setup(name, p)
-    plans = _plans(run, levels, quarter)
-    budgets = real_drops(run.dense.config, plans, levels, quarter)
-    dense_items = run.step({"dense": p.tasks_main}, lambda: task_items(run, run.dense, p.tasks_main, p.limit_main))
-    items = [dict(model=name, method=DENSE, level="", **r) for r in dense_items]
-    chosen = [v for v in variants(p.methods) if v[0] != HARP_MEAN]  # harp-mean has a part of its own
-    rows, fids, found = measure_points(run, _recipes(chosen, levels, quarter, plans, budgets))
+        fids.append(fid)
+        items += item_rows(name, row["method"], row["scope"], row["level"], found)
+    plans = {n: top(res[ids["search"]], n, ids["num_layers"]) for n in ids["levels"]} | {HARP_BI: res[ids["bi"]]}
+    dense_items = [dict(model=name, method=DENSE, level="", **r) for r in res[ids["dense"]]["items"]]
     dense_row = {"model": name, "method": DENSE, "scope": "", "level": "", "n_layers": 0, "budget_params": 0,
                  "params_removed": 0, "weights_zeroed": 0, "shape": DENSE}
-    return {"runs": pd.concat([pd.DataFrame([dense_row]), run_table(name, rows)], ignore_index=True),
-            "records": {r["shape"]: r["record"] for r in rows if r["record"] is not None},  # for the timing part
-            "fidelity": pd.concat(fids, ignore_index=True).assign(model=name), "items": pd.DataFrame(items + found),
-            "alphas": pd.DataFrame([dict(model=name, set=str(k), layer=i, alpha=a) for k, plan in plans.items()
-                                    for i, a in plan.items()]),
-            "budgets": {name: {str(k): int(v) for k, v in budgets.items()}},
-            "info": model_info(run.dense) | {"steps": steps_summary(run.made)},
-            "seconds": dict(model=name, seconds=time.perf_counter() - start)}
-
-
-def _mean_part(name: str, p: FrontierParams, main: dict) -> dict:
-    """harp-mean at every level: α's searched for the causal-mean bypass (top-down, the deepest N once) and the
-    same quality axes (timed with the rest in the timing part)."""
-    start = time.perf_counter()
-    run, levels, quarter = _setup(name, p)
-    plans, drop = top_plans(run, levels, bypass="mean"), main["budgets"][name]
-    recipes = [dict(method=HARP_MEAN, scope="attention", level=f"N={n}", n_layers=n, budget=drop[str(n)],
-                    alphas=plans[n]) for n in levels]
-    rows, fids, items = measure_points(run, recipes)
-    return {"runs": run_table(name, rows), "fidelity": pd.concat(fids, ignore_index=True).assign(model=name),
-            "items": pd.DataFrame(items), "steps": steps_summary(run.made),
-            "alphas": pd.DataFrame([dict(model=name, set=f"{HARP_MEAN} N={r['n_layers']}", layer=i, alpha=a)
-                                    for r in recipes for i, a in r["alphas"].items()]),
-            "seconds": dict(model=name, seconds=time.perf_counter() - start)}
-
-
-def _with_mean(main: dict, mean: dict, made: dict) -> dict:
-    """The main part with harp-mean's points added."""
-    joined = {k: pd.concat([main[k], mean[k]], ignore_index=True) for k in ("runs", "fidelity", "items", "alphas")}
-    seconds, info = main["seconds"] | {"mean_seconds": mean["seconds"]["seconds"]}, main["info"]
-    return main | joined | {"seconds": seconds, "info": info | {"harp_mean_part": made | {"steps": mean["steps"]}}}
-
-
-def _plan_set(method: str, n_layers: int) -> str:
-    """Where a HARP variant's α's are in a part's `alphas` table (its `set` column)."""
-    return {HARP: str(n_layers), HARP_MEAN: f"{HARP_MEAN} N={n_layers}"}.get(method, HARP_BI)
-
-
-def _rebuilt_record(run: ModelRun, row) -> object:
-    """A baseline point's record, pruned again by its deterministic rule (for parts stored before they kept their
-    records), refused unless it gives the measured point's shape."""
-    recipe = dict(method=row.method, scope=row.scope, budget=int(row.budget_params))
-    model, record = build(run.dense, recipe, run.calib, share=True)
-    if shape_key(model, record) != row.shape:
-        raise RuntimeError(f"{label(row.method, row.scope)} at {row.level} pruned again gives another shape than "
-                           f"its measured point; delete {run.name}'s stored 06 parts to measure it again")
-    return record
-
-
-def timed_rows(run: ModelRun, part: dict) -> list[dict]:
-    """A row per distinct pruned shape of a model's finished points, ready for `speeds`: HARP variants rebuilt from
-    their α's, baselines from their records. Identity HARP and harp-mean of each level come first, side by side,
-    so each pair shares a round-robin (`timing_groups` fills groups of TIMING_GROUP, an even number, in order)."""
-    runs = part["runs"]
-    runs = runs[runs.method != DENSE].drop_duplicates("shape")
-    pairs = runs.method.isin([HARP, HARP_MEAN]) & runs.level.str.startswith("N=")
-    ordered = pd.concat([runs[pairs].sort_values(["n_layers", "method"]), runs[~pairs]])
-    plans = {k: dict(zip(g.layer.astype(int), g.alpha, strict=True)) for k, g in part["alphas"].groupby("set")}
-    records = part.get("records", {})
-    rows = []
-    for r in ordered.itertuples():
-        row = dict(method=r.method, level=r.level, shape=r.shape, record=None)
-        if r.method in HARP_KINDS:
-            row["alphas"] = plans[_plan_set(r.method, r.n_layers)]
-        else:
-            row["record"] = records[r.shape] if r.shape in records else _rebuilt_record(run, r)
-        rows.append(row)
-    return rows
-
-
-def _timing_part(name: str, p: FrontierParams, part: dict) -> dict:
-    """Every distinct shape of a model's finished main and harp-mean points timed against dense (`speeds`: groups
-    from `timing_groups`, each group a stored step)."""
-    start = time.perf_counter()
-    run, _, _ = _setup(name, p, states=False)  # no fidelity here: the dense states are not needed
-    speed = speeds(run, timed_rows(run, part))
-    return {"speed": speed, "steps": steps_summary(run.made), "seconds": time.perf_counter() - start}
-
-
-def _with_speed(part: dict, timing: dict, made: dict) -> dict:
-    """The part with every point's speed from the timing part, and `mean_speed`: identity HARP and harp-mean at each
-    level (empty without harp-mean)."""
-    runs = with_speeds(part["runs"], timing["speed"])
+    runs = pd.concat([pd.DataFrame([dense_row]), run_table(name, rows)], ignore_index=True)
+    alphas = [dict(model=name, set=str(k), layer=i, alpha=a) for k, plan in plans.items() for i, a in plan.items()]
+    fidelity = pd.concat(fids, ignore_index=True).assign(model=name)
+    items = pd.DataFrame(dense_items + items)
+    if ids["mean"]:
+        mrows, mfids, mfound = points_of(res, ids["mean"])
+        mean_alphas = [dict(model=name, set=f"{HARP_MEAN} N={r['n_layers']}", layer=i, alpha=a) for r in mrows
+                       for i, a in r["alphas"].items()]
+        runs = pd.concat([runs, run_table(name, mrows)], ignore_index=True)
+        fidelity = pd.concat([fidelity, pd.concat(mfids, ignore_index=True).assign(model=name)], ignore_index=True)
+        items = pd.concat([items, pd.DataFrame([i for r, f in zip(mrows, mfound, strict=True)
+                                                for i in item_rows(name, r["method"], r["scope"], r["level"], f)])],
+                          ignore_index=True)
+        alphas += mean_alphas
+    if ids["gold"]:
+        items = pd.concat([items, pd.DataFrame(_gold_items(ids, res, runs, quarter))], ignore_index=True)
+    runs = with_speeds(runs, res[ids["timing"]])
     pairs = runs[runs.method.isin([HARP, HARP_MEAN]) & runs.level.str.startswith("N=")]
     mean_speed = pairs if (pairs.method == HARP_MEAN).any() else pairs.iloc[:0]
-    return part | {"runs": runs, "mean_speed": mean_speed[["model", "method", "level", *SPEED_COLUMNS]],
-                   "seconds": part["seconds"] | {"timing_seconds": timing["seconds"]},
-                   "info": part["info"] | {"timing_part": made | {"steps": timing["steps"]}}}
+    made = [out.provenance[i] for i in _model_ids(ids)]
+    return {"runs": runs, "fidelity": fidelity, "items": items, "alphas": pd.DataFrame(alphas),
+            "mean_speed": mean_speed[["model", "method", "level", *SPEED_COLUMNS]],
+            "budgets": {name: budgets}, "info": info | {"steps": steps_summary(made)},
+            "seconds": dict(model=name, seconds=steps_summary(made)["compute_seconds"])}
+
+
+def _gold_items(ids: dict, res: dict, runs: pd.DataFrame, quarter: str) -> list[dict]:
+    """Gold items, dense first, then the chosen points in the order of the quarter-depth rows."""
+    name = ids["name"]
+    found = {role: res[i] for role, i in ids["gold"]}
+    items = [dict(model=name, method=DENSE, scope="", level="", **r) for r in found.pop("dense")["items"]]
+    best = found.pop(BEST, None)
+    best_point = None if best is None or best.get("none") else tuple(best["point"])
+    for r in runs[runs.level == quarter].itertuples():
+        if r.method in HARP_KINDS and r.method in found:
+            part = found.pop(r.method)
+        elif best_point is not None and (r.method, r.scope, r.level) == best_point:
+            part, best_point = best, None
+        else:
+            continue
+        items += [dict(model=name, method=r.method, scope=r.scope, level=quarter, **i) for i in part["items"]]
+    return items
+
+
+def _model_ids(ids: dict) -> list[str]:
+    found = [ids["info"], ids["search"], ids["bi"], ids["dense"], *_point_ids(ids), ids["timing"]]
+    return found + ([ids["mean_search"]] if "mean_search" in ids else []) + [i for _, i in ids["gold"]]
 
 
 def frontier_study(p: FrontierParams) -> dict:
-    """Every method at HARP's real drop at each level of each model (see the module docstring). Main parts run
-    first, then harp-mean parts, gold parts and, last, timing parts; parts and their steps (searches, points, timing
-    groups) are stored in .runs/parts, so with REUSE_PARTS an interrupted run resumes where it stopped.
+    """Every method at HARP's real drop at each level of each model (see the module docstring), as a graph of
+    stored steps (searches, points, scorings, one timing per model) run inline where the runner has not run them
+    already; with REUSE_PARTS an interrupted run resumes at its first missing step.
 
     Returns:
         dict: runs (a row per point: method, scope, level, n_layers, budget_params, params_removed, weights_zeroed,
         speed-ups, decode tokens/s, KV bytes per token), fidelity (per window), items (task items), alphas, budgets,
-        infos (with each part's and steps' provenance), seconds, mean_speed (identity HARP and harp-mean at each
-        level, timed side by side).
+        infos (with the steps' provenance), seconds, mean_speed (identity HARP and harp-mean at each level, timed
+        side by side).
     """
-    p.check()
-    settings = settings_of(p, exempt=True)  # the gold parameters key only the gold parts
-    parts = []
-    for name in p.models:
-        part, made = stored_part(p.NOTEBOOK, {"model": name, **settings}, lambda name=name: _model_part(name, p),
-                                 p.reuse_parts)
-        parts.append(part | {"info": part["info"] | {"part": made}})
-    if HARP_MEAN in dict(variants(p.methods)):
-        for k, (name, part) in enumerate(zip(p.models, list(parts), strict=True)):
-            mean, made = stored_part(p.NOTEBOOK, {"model": name, "part": HARP_MEAN, **settings},
-                                     lambda name=name, part=part: _mean_part(name, p, part), p.reuse_parts)
-            parts[k] = _with_mean(part, mean, made)
-    if p.gold_tasks:
-        for k, (name, part) in enumerate(zip(p.models, list(parts), strict=True)):
-            gold, made = stored_part(p.NOTEBOOK, {"model": name, "part": "gold", **settings_of(p)},
-                                     lambda name=name, part=part: _gold_part(name, p, part), p.reuse_parts)
-            parts[k] = part | {"items": pd.concat([part["items"], gold["items"]], ignore_index=True),
-                               "info": part["info"] | {"gold_part": made | {"steps": gold["steps"]}},
-                               "seconds": part["seconds"] | {"gold_seconds": gold["seconds"]}}
-    for k, (name, part) in enumerate(zip(p.models, list(parts), strict=True)):  # last: needs a quiet machine
-        timing, made = stored_part(p.NOTEBOOK, {"model": name, "part": "timing", **settings},
-                                   lambda name=name, part=part: _timing_part(name, p, part), p.reuse_parts)
-        parts[k] = _with_speed(part, timing, made)
+    graph, models = frontier_graph(p)
+    out = run_steps(graph, p.reuse_parts)
+    parts = [_assemble(ids, out, p) for ids in models]
 
     def cat(key):
         return pd.concat([part.get(key, pd.DataFrame()) for part in parts], ignore_index=True)

@@ -15,18 +15,21 @@ from typing import ClassVar
 
 import pandas as pd
 
-from ..checkpoints import load_model
 from ..compare.points import (
     DENSE,
+    HARP,
+    HARP_BI,
     HARP_KINDS,
-    ModelRun,
+    HARP_MEAN,
+    ModelSteps,
     build,
+    item_rows,
     label,
-    level_points,
-    measure_points,
-    model_parts,
-    open_run,
+    level_steps,
+    points_of,
+    real_drops,
     task_items,
+    top,
     variants,
 )
 from ..data.corpora import ppl_windows
@@ -34,10 +37,12 @@ from ..eval.fidelity import fidelity_windows
 from ..eval.stats import paired_table
 from ..heads.finetune import FinetuneSpec, lora_finetune
 from ..method.layers import quarter_depth
-from ..model.adapter import fingerprint
 from ..model.loading import model_info
 from ..report.params import StudyParams
 from ..report.parts import steps_summary
+from ..steps import context
+from ..steps.executors import Outcome, run_steps
+from ..steps.graph import Graph
 
 RECOVERED = " + LoRA"  # appended to a point's level after recovery
 SPEED_COLUMNS = ("speedup_2k", "speedup_8k", "kv_bytes_per_token")  # not measured here: recovery changes no shape
@@ -83,59 +88,107 @@ class RecoveryParams(StudyParams):
         return spec.checked()
 
 
-def _recovered(run: ModelRun, recipe: dict, windows, spec: FinetuneSpec) -> tuple[pd.DataFrame, list, dict]:
-    """One point pruned, recovered with LoRA and measured again: (fidelity per window, task items, training)."""
-    model, _ = build(run.dense, recipe, run.calib)
+def recovered_step(key: dict, inputs: dict) -> tuple[pd.DataFrame, list, dict]:
+    """One point pruned again (a copy that owns its weights), recovered with LoRA on the fine-tuning windows and
+    measured again: (fidelity per window, task items, training)."""
+    setup = key["setup"]
+    dense, tok = context.dense(setup)
+    row = inputs["point"][0]
+    recipe = {"method": row["method"], "scope": row["scope"], "budget": row["budget_params"]}
+    if row["alphas"] is not None:
+        recipe["alphas"] = row["alphas"]
+    model, _ = build(dense, recipe, context.windows(setup, "train"))
+    # the fine-tuning windows: a second enwiki-train sample (seed + 1; it may share text with the calibration
+    # sample, both are train), never the test split
+    windows = ppl_windows(tok, "enwiki", "train", key["ft_windows"], key["ft_len"], setup["seed"] + 1)
     start = time.perf_counter()
-    trained = lora_finetune(model, windows, spec, progress=False)  # merged: the same parameters, new values
-    fid = fidelity_windows(run.dense, model, run.windows, ref_states=run.states, progress=False)
-    return fid, task_items(run, model, *run.tasks_for(recipe)), trained | {"seconds": time.perf_counter() - start}
+    trained = lora_finetune(model, windows, FinetuneSpec(**key["spec"]), progress=False)  # merged: same parameters
+    fid = fidelity_windows(dense, model, context.windows(setup, "test"), ref_states=context.states(setup),
+                           progress=False)
+    found = task_items(setup["model"], tok, model, key["tasks"], key["limit"])
+    return fid, found, trained | {"seconds": time.perf_counter() - start}
 
 
-def _model_part(name: str, p: RecoveryParams) -> dict:
-    start = time.perf_counter()
-    dense, tok = load_model(name, dtype=p.dtype, device=p.device)
-    n = p.n_layers or quarter_depth(fingerprint(dense.config)["num_layers"])
-    run = open_run(name, dense, tok, p, lambda recipe: (p.tasks, p.limit))
-    recipes, plans, drop = level_points(run, variants(p.methods), n)
-    dense_items = run.step({"dense": p.tasks}, lambda: task_items(run, dense, p.tasks, p.limit))
-    rows, fids, items = measure_points(run, recipes)
-    # the fine-tuning windows: a second enwiki-train sample (seed + 1; it may share text with the calibration sample,
-    # both are train), never the test split
-    windows = ppl_windows(tok, "enwiki", "train", p.ft_windows, p.ft_len, p.seed + 1)
+def info_step(key: dict, inputs: dict) -> dict:
+    """The model's provenance and HARP's real drop at its level (`harp_drop`)."""
+    dense = context.dense(key["setup"])[0]
+    n = key["n_layers"]
+    return model_info(dense) | {"harp_drop": real_drops(dense.config, {n: top(inputs["plan"], n, key["num_layers"])},
+                                                        [n], n)[n]}
+
+
+def _declare_model(graph: Graph, p: RecoveryParams, name: str) -> dict:
+    """One model's steps: searches, points, dense's tasks, and each point recovered."""
+    ms = ModelSteps.open(graph, p, name)
+    n = p.n_layers or quarter_depth(ms.num_layers)
+    level = level_steps(ms, variants(p.methods), n, p.tasks, p.limit)
+    spec = {"spec": p.finetune_spec().to_dict(), "ft_windows": p.ft_windows, "ft_len": p.ft_len,
+            "tasks": list(p.tasks), "limit": p.limit}
+    recovered = [ms.add(recovered_step, spec, {"point": i},
+                        f"recovered {ms.graph.steps[i].key['recipe']['method']}",
+                        size=p.ft_steps * p.ft_len / 128 + 5) for i in level["points"]]
+    return {"name": name, "n": n, "points": level["points"], "recovered": recovered,
+            "dense": ms.scored(DENSE, p.tasks, p.limit),
+            "info": ms.add(info_step, {"n_layers": n, "num_layers": ms.num_layers}, {"plan": level["search"]},
+                           "info"),
+            "all": [level["search"], *level["extra"]]}
+
+
+def recovery_graph(p: RecoveryParams) -> tuple[Graph, list[dict]]:
+    """The study's steps for every model, and each model's step ids by role."""
+    p.check()
+    graph = Graph()
+    return graph, [_declare_model(graph, p, name) for name in p.models]
+
+
+def _assemble(ids: dict, out: Outcome, p: RecoveryParams) -> dict:
+    name, res = ids["name"], out.results
+    rows, fids, found = points_of(res, ids["points"])
+    items = [i for r, f in zip(rows, found, strict=True)
+             for i in item_rows(name, r["method"], r["scope"], r["level"], f)]
     training = []
-    for recipe, row in zip(recipes, list(rows), strict=True):
-        fid, found, trained = run.step({"recovered": recipe, "spec": p.finetune_spec().to_dict()},
-                                       lambda r=recipe: _recovered(run, r, windows, p.finetune_spec()))
-        after = recipe["level"] + RECOVERED
+    for row, step in zip(list(rows), ids["recovered"], strict=True):
+        fid, after_items, trained = res[step]
+        after = row["level"] + RECOVERED
         rows.append(row | {"level": after})
-        fids.append(fid.assign(method=recipe["method"], scope=recipe["scope"], level=after))
-        items += [dict(model=name, method=recipe["method"], scope=recipe["scope"], level=after, **r) for r in found]
-        training.append(dict(model=name, method=label(recipe["method"], recipe["scope"]),
+        fids.append(fid.assign(method=row["method"], scope=row["scope"], level=after))
+        items += item_rows(name, row["method"], row["scope"], after, after_items)
+        training.append(dict(model=name, method=label(row["method"], row["scope"]),
                              **{k: v for k, v in trained.items() if not isinstance(v, list)},
                              first_loss=trained["losses"][0], last_loss=trained["losses"][-1]))
+    found_plans = {r["method"]: r["alphas"] for r in rows if r["method"] in HARP_KINDS}
+    plans = {k: found_plans[k] for k in (HARP, HARP_BI, HARP_MEAN) if k in found_plans}
     runs = pd.DataFrame([{k: v for k, v in r.items() if k not in ("record", "alphas", "shape")} for r in rows])
+    made = [out.provenance[i] for i in [ids["dense"], ids["info"], *ids["all"], *ids["points"], *ids["recovered"]]]
+    info = dict(res[ids["info"]])
+    drop = info.pop("harp_drop")
+    dense_items = res[ids["dense"]]["items"]
     return {"runs": runs.assign(model=name, **dict.fromkeys(SPEED_COLUMNS, float("nan"))),
             "fidelity": pd.concat(fids, ignore_index=True).assign(model=name),
             "items": pd.DataFrame([dict(model=name, method=DENSE, level="", **r) for r in dense_items] + items),
             "training": pd.DataFrame(training),
             "alphas": pd.DataFrame([dict(model=name, set=k, layer=i, alpha=a) for k, plan in plans.items()
                                     for i, a in plan.items()]),
-            "info": model_info(dense) | {"steps": steps_summary(run.made), "n_layers": n, **drop,
-                                         "finetune": p.finetune_spec().to_dict()},
-            "seconds": dict(model=name, seconds=time.perf_counter() - start)}
+            "info": info | {"steps": steps_summary(made), "n_layers": ids["n"], "harp_drop": drop,
+                            "finetune": p.finetune_spec().to_dict()},
+            "seconds": dict(model=name, seconds=steps_summary(made)["compute_seconds"])}
 
 
 def recovery_study(p: RecoveryParams) -> dict:
-    """Every point of each model before and after the same LoRA recovery (see the module docstring), one stored
-    part per model (with REUSE_PARTS an interrupted run resumes at its first missing step).
+    """Every point of each model before and after the same LoRA recovery (see the module docstring), as a graph of
+    stored steps run inline where the runner has not run them already (with REUSE_PARTS an interrupted run resumes
+    at its first missing step).
 
     Returns:
         dict: runs (a row per point and stage: level "N=n" before, "N=n + LoRA" after), fidelity (per window), items
         (task items, dense's under level ""), training (per point: steps, losses, seconds), alphas, infos, seconds.
     """
-    p.check()
-    return model_parts(p, lambda name: _model_part(name, p), ("runs", "fidelity", "items", "training", "alphas"))
+    graph, models = recovery_graph(p)
+    out = run_steps(graph, p.reuse_parts)
+    parts = [_assemble(ids, out, p) for ids in models]
+    tables = ("runs", "fidelity", "items", "training", "alphas")
+    return {**{k: pd.concat([part[k] for part in parts], ignore_index=True) for k in tables},
+            "infos": [part["info"] for part in parts], "seconds": pd.DataFrame([part["seconds"] for part in parts])}
 
 
 # ---------------------------------------------------------------------------------------------- tables

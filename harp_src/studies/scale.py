@@ -14,7 +14,6 @@ models run here from this study.
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,33 +21,37 @@ from typing import ClassVar
 
 import pandas as pd
 
-from ..checkpoints import load_model
 from ..compare.points import (
     DENSE,
     HARP,
+    HARP_BI,
     HARP_KINDS,
+    HARP_MEAN,
+    ModelSteps,
     best_baseline,
     check_named,
-    chosen_rows,
+    chosen_items,
+    chosen_steps,
     label,
-    level_points,
-    measure_points,
-    model_parts,
-    open_run,
+    level_steps,
+    points_of,
+    real_drops,
     run_table,
-    scored_points,
-    speeds,
+    speed_settings,
+    top,
     variants,
 )
 from ..eval.stats import paired_table
 from ..eval.tasks import limits_for, task_scores
 from ..method.layers import quarter_depth
-from ..model.adapter import fingerprint
 from ..model.loading import model_info, param_count, require_installed
 from ..pruning.methods import UNSTRUCTURED
 from ..report.files import ROOT
 from ..report.params import StudyParams
 from ..report.parts import steps_summary
+from ..steps import context
+from ..steps.executors import Outcome, run_steps
+from ..steps.graph import Graph
 
 GEN_TASK = "gsm8k"
 GEN_SHOTS = 5  # lm-eval's GSM8K prompt: 5 worked examples
@@ -71,10 +74,6 @@ class ScaleParams(StudyParams):
     NOTEBOOK: ClassVar[str] = "09_scale"
     TYPES: ClassVar[dict] = {"LIMIT": int | dict, "GOLD_LIMIT": int | dict, "TASK_METHODS": list[str],
                              "GEN_METHODS": list[str], "GOLD_TASKS": list[str]}
-    # read only by the scoring steps (whose keys name their tasks, limit, shots and point) and the tables: changing
-    # one keeps the stored searches, points and timings of a run
-    EXEMPT: ClassVar[tuple] = ("tasks", "limit", "gold_tasks", "gold_limit", "task_methods", "gen_limit",
-                               "gen_methods", "small_from")
     models: list[str]
     methods: list[str]
     n_layers: int
@@ -109,34 +108,61 @@ class ScaleParams(StudyParams):
         require_installed(self.models)
 
 
-def _no_tasks(recipe: dict) -> tuple[list[str], None]:
-    return [], None  # the points' tasks are a later step, once the best baseline is known
+def info_step(key: dict, inputs: dict) -> dict:
+    """The model's provenance, its parameter count and HARP's real drop at its level (`harp_drop`)."""
+    dense = context.dense(key["setup"])[0]
+    n = key["n_layers"]
+    drop = real_drops(dense.config, {n: top(inputs["plan"], n, key["num_layers"])}, [n], n)[n]
+    return model_info(dense) | {"params": param_count(key["setup"]["model"]), "harp_drop": drop}
 
 
-def _model_part(name: str, p: ScaleParams) -> dict:
-    start = time.perf_counter()
-    dense, tok = load_model(name, dtype=p.dtype, device=p.device)
-    L = fingerprint(dense.config)["num_layers"]
-    n = p.n_layers or quarter_depth(L)
-    run = open_run(name, dense, tok, p, _no_tasks)
-    recipes, plans, drop = level_points(run, variants(p.methods), n)
-    rows, fids, _ = measure_points(run, recipes)
+def _declare_model(graph: Graph, p: ScaleParams, name: str) -> dict:
+    """One model's steps: searches, points (fidelity only), tasks and gold bpb on the chosen points, generation,
+    timing."""
+    ms = ModelSteps.open(graph, p, name)
+    n = p.n_layers or quarter_depth(ms.num_layers)
+    level = level_steps(ms, variants(p.methods), n, [], None)  # the points' tasks: later, once `best` is known
+    points = level["points"]
+    limits = {**_limits(limits_for(p.limit, name), p.tasks), **_limits(limits_for(p.gold_limit, name), p.gold_tasks)}
+    return {"name": name, "n": n, "points": points,
+            "info": ms.add(info_step, {"n_layers": n, "num_layers": ms.num_layers}, {"plan": level["search"]},
+                           "info"),
+            "tasks": chosen_steps(ms, points, p.task_methods, p.tasks + p.gold_tasks, limits),
+            "generation": chosen_steps(ms, points, p.gen_methods, [GEN_TASK], p.gen_limit, GEN_SHOTS)
+            if p.gen_limit else [],
+            "timing": ms.timing(points, speed_settings(p), pairs_first=False),
+            "all": [level["search"], *level["extra"], *points]}
+
+
+def scale_graph(p: ScaleParams) -> tuple[Graph, list[dict]]:
+    """The study's steps for every model, and each model's step ids by role."""
+    p.check()
+    graph = Graph()
+    return graph, [_declare_model(graph, p, name) for name in p.models]
+
+
+def _assemble(ids: dict, out: Outcome) -> dict:
+    name, res = ids["name"], out.results
+    rows, fids, _ = points_of(res, ids["points"])
     fidelity = pd.concat(fids, ignore_index=True).assign(model=name)
     best = best_baseline(fidelity)
-    limits = {**_limits(limits_for(p.limit, name), p.tasks), **_limits(limits_for(p.gold_limit, name), p.gold_tasks)}
-    items = scored_points(run, chosen_rows(rows, p.task_methods, best), p.tasks + p.gold_tasks, limits)
-    generated = scored_points(run, chosen_rows(rows, p.gen_methods, best), [GEN_TASK], p.gen_limit, GEN_SHOTS) \
-        if p.gen_limit else []
-    speed = speeds(run, rows)
+    speed = res[ids["timing"]]
     dense_row = {"model": name, "method": DENSE, "scope": "", "level": "", "n_layers": 0, "budget_params": 0,
                  "params_removed": 0, "weights_zeroed": 0, "shape": DENSE} | speed[DENSE]
+    found = {r["method"]: r["alphas"] for r in rows if r["method"] in HARP_KINDS}
+    plans = {k: found[k] for k in (HARP, HARP_BI, HARP_MEAN) if k in found}
+    made = [out.provenance[i] for i in [ids["info"], ids["timing"], *ids["all"],
+                                        *(i for _, i in ids["tasks"] + ids["generation"])]]
+    info = dict(res[ids["info"]])
+    params, drop = info.pop("params"), info.pop("harp_drop")
     return {"runs": pd.concat([pd.DataFrame([dense_row]), run_table(name, rows, speed)], ignore_index=True),
-            "fidelity": fidelity, "items": pd.DataFrame(items), "generation": pd.DataFrame(generated),
+            "fidelity": fidelity, "items": pd.DataFrame(chosen_items(name, res, ids["points"], ids["tasks"])),
+            "generation": pd.DataFrame(chosen_items(name, res, ids["points"], ids["generation"])),
             "alphas": pd.DataFrame([dict(model=name, set=k, layer=i, alpha=a) for k, plan in plans.items()
                                     for i, a in plan.items()]),
-            "info": model_info(dense) | {"model": name, "steps": steps_summary(run.made), "best_baseline": best,
-                                         "params": param_count(name), "n_layers": n, **drop},
-            "seconds": dict(model=name, seconds=time.perf_counter() - start)}
+            "info": info | {"model": name, "steps": steps_summary(made), "best_baseline": best, "params": params,
+                            "n_layers": ids["n"], "harp_drop": drop},
+            "seconds": dict(model=name, seconds=steps_summary(made)["compute_seconds"])}
 
 
 def _limits(limit, tasks: list[str]) -> dict:
@@ -145,16 +171,21 @@ def _limits(limit, tasks: list[str]) -> dict:
 
 
 def scale_study(p: ScaleParams) -> dict:
-    """Each model of `p.models` at quarter depth (see the module docstring), one stored part per model (with
-    REUSE_PARTS an interrupted run resumes at its first missing step).
+    """Each model of `p.models` at quarter depth (see the module docstring), as a graph of stored steps run inline
+    where the runner has not run them already (with REUSE_PARTS an interrupted run resumes at its first missing
+    step).
 
     Returns:
         dict: runs (a row per point: cost, speed-ups, KV bytes per token), fidelity (per window), items (task and
         gold-bpb items), generation (GSM8K exact-match items), alphas, infos (provenance, best baseline, parameter
         count, steps), seconds.
     """
-    p.check()
-    return model_parts(p, lambda name: _model_part(name, p), ("runs", "fidelity", "items", "generation", "alphas"))
+    graph, models = scale_graph(p)
+    out = run_steps(graph, p.reuse_parts)
+    parts = [_assemble(ids, out) for ids in models]
+    tables = ("runs", "fidelity", "items", "generation", "alphas")
+    return {**{k: pd.concat([part[k] for part in parts], ignore_index=True) for k in tables},
+            "infos": [part["info"] for part in parts], "seconds": pd.DataFrame([part["seconds"] for part in parts])}
 
 
 # ---------------------------------------------------------------------------------------------- tables
