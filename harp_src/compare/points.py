@@ -312,8 +312,9 @@ def task_items(name: str, tok, model, tasks: list[str], limit, shots: int = 0) -
     """Per-item results of `tasks` on `model` (`shots`-shot, zero by default; the fast scorer)."""
     found: list = []
     if tasks:
+        # no lm-eval stderr: only the items are kept, and its bootstrap forks a pool that can hang in a Ray worker
         run_tasks(model, tok, tasks, limits_for(limit, name), num_fewshot=shots, batch_size=TASK_BATCH,
-                  items=found, verbose=False)
+                  items=found, verbose=False, bootstrap_iters=0)
     return found
 
 

