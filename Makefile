@@ -31,7 +31,7 @@ $(CHROMIUM):
 	  { $(if $(ROOT_USER),,sudo) apt-get update && $(if $(ROOT_USER),,sudo) apt-get install -y --no-install-recommends chromium; }
 
 test: setup $(CHROMIUM)
-	$(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider
+	$(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --nbval-lax --nbval-current-env -p no:cacheprovider
 
 reproduce: setup-full
 	$(PY) -m harp_src.runner --profile full

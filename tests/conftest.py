@@ -1,6 +1,9 @@
 """Tiny randomly initialised models of every supported family (built in code, no downloads)."""
 
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,13 @@ from transformers import (
     MistralConfig,
     Qwen2Config,
 )
+
+# `make test` runs pytest-xdist workers side by side: each takes its share of the cores as torch threads, and the
+# notebook kernels and subprocesses it starts inherit the share, so the workers do not fight over the same cores
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORKERS))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 SEED = 0
 SESSION_START = time.time()  # conftest loads before any test or notebook runs (see test_notebooks.py)
@@ -61,3 +71,27 @@ def family(request):
 def ids():
     g = torch.Generator().manual_seed(SEED)
     return torch.randint(3, 128, (2, 12), generator=g)
+
+
+# ---------------------------------------------------------------------------------------------- nbval across workers
+# tests/test_notebooks.py checks the numbers nbval's runs of the notebooks wrote. Under pytest-xdist a notebook may
+# still be running on the other worker: the check waits for it, and a notebook that failed leaves a mark here so
+# that nothing waits for it. The folder is made once by the controller; the workers inherit its path.
+NBVAL_STATE = "HARP_TEST_NBVAL_STATE"
+
+
+def pytest_configure(config):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ[NBVAL_STATE] = tempfile.mkdtemp(prefix="harp-nbval-")
+
+
+def pytest_runtest_logreport(report):
+    if report.failed and ".ipynb::" in report.nodeid and os.environ.get(NBVAL_STATE):
+        notebook = Path(report.nodeid.split("::")[0]).stem
+        (Path(os.environ[NBVAL_STATE]) / f"{notebook}.failed").touch()
+
+
+def nbval_failed(notebook: str) -> bool:
+    """Whether a cell of `notebook` failed under nbval in this session (on any worker)."""
+    state = os.environ.get(NBVAL_STATE)
+    return bool(state) and (Path(state) / f"{notebook}.failed").exists()
