@@ -1,6 +1,7 @@
 """Tiny randomly initialised models of every supported family (built in code, no downloads)."""
 
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -83,6 +84,11 @@ NBVAL_STATE = "HARP_TEST_NBVAL_STATE"
 def pytest_configure(config):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         os.environ[NBVAL_STATE] = tempfile.mkdtemp(prefix="harp-nbval-")
+
+
+def pytest_unconfigure(config):
+    if "PYTEST_XDIST_WORKER" not in os.environ and os.environ.get(NBVAL_STATE):
+        shutil.rmtree(os.environ.pop(NBVAL_STATE), ignore_errors=True)
 
 
 def pytest_runtest_logreport(report):

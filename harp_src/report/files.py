@@ -198,13 +198,13 @@ def lock_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.lock")
 
 
-def _lock(lock: Path) -> int | None:
-    """An exclusive flock on `lock` (created if needed), or None if another process holds it. The kernel drops the
-    lock when its holder dies, so a killed save never blocks the next one."""
+def _lock(lock: Path, wait: bool = False) -> int | None:
+    """An exclusive flock on `lock` (created if needed), or None if another process holds it (with `wait`, once it
+    lets go). The kernel drops the lock when its holder dies, so a killed save never blocks the next one."""
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return None
@@ -223,9 +223,8 @@ def exclusive(lock: str | os.PathLike) -> Iterator[None]:
     the first one's result. The kernel drops the lock when its holder dies."""
     lock = Path(lock)
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _lock(lock, wait=True)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
