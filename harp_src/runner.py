@@ -3,7 +3,7 @@
     python -m harp_src.runner --profile quick|full|paper [--only 01 02] [--workers N | --ray-address ADDR]
     python -m harp_src.runner --plan --profile full [--workers K]
 
-The studies declared as graphs of steps (06, 09, 10: `harp_src.studies.graphs`) run their steps first, on the
+The studies declared as graphs of steps (03, 06–10: `harp_src.studies.graphs`) run their steps first, on the
 executor: inline by default (the notebooks compute them, as always; no service), or on Ray with `--workers N` (a
 local cluster started for this run) or `--ray-address ADDR` (an existing cluster). The notebooks then execute with
 papermill and find every step stored by this run. `--plan` runs nothing: it prints the graph's steps, the critical
@@ -35,7 +35,7 @@ from .report.files import ROOT
 from .report.params import NOTEBOOKS, parameter_spec, parameters_source, profile_names
 from .steps.executors import check_address, run_steps
 from .steps.graph import RUN_ENV, Graph
-from .steps.plan import plan_text
+from .steps.plan import notebook_seconds, plan_text
 from .studies import graphs
 
 PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -153,14 +153,8 @@ def check_devices(params: list, address: str | None) -> None:
 def recorded_whole(notebooks: list[str], profile: str) -> dict[str, float]:
     """Seconds of the notebooks that are not graphs, for `--plan` (one step each): under the full profile, their
     last full run's wall time (figures/notebook_minutes.csv, the README's table); none under other profiles."""
-    import csv
-
-    path = ROOT / "figures" / "notebook_minutes.csv"
-    if profile != "full" or not path.exists():
-        return {}
-    with path.open() as f:
-        minutes = {r["notebook"]: float(r["minutes"]) for r in csv.DictReader(f)}
-    return {nb: 60 * minutes[nb] for nb in notebooks if nb in minutes}
+    walls = notebook_seconds() if profile == "full" else {}
+    return {nb: walls[nb] for nb in notebooks if nb in walls}
 
 
 def run_graph_steps(graph: Graph, executor: str, workers: int | None, address: str | None,
@@ -223,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.plan:
         print(f"[plan] profile {args.profile}: {len(graph)} steps in {len(notebooks) - len(whole)} studies; "
-              f"{len(whole)} notebooks are not graphs yet and count as one step each")
+              f"{len(whole)} notebooks are not graphs and count as one step each")
         workers = [args.workers] if args.workers else list(PLAN_WORKERS)
-        print(plan_text(graph, workers, recorded_whole(whole, args.profile)))
+        print(plan_text(graph, workers, recorded_whole(whole, args.profile), recorded=args.profile == "full"))
         return 0
     os.environ.setdefault(RUN_ENV, uuid.uuid4().hex[:12])  # the notebooks reuse what this run's steps stored
     if args.threads:  # the notebooks' kernels inherit it; torch reads it when it starts

@@ -79,8 +79,7 @@ def test_iterative_loop_removes_the_scheduled_counts_and_fine_tunes(ids):
     states = reference_states(dense, test)
     before = [p.detach().clone() for p in dense.parameters()]
     run = ModelRun("tiny", dense, calib, ft, test, states)
-    params = HeadImportanceParams.defaults(TARGET=0.5, STEP=0.1, SEED=0)
-    parts, log, removed = iterative_rows(run, "taylor", params, FinetuneSpec(steps=3, lr=1e-2))
+    parts, log, removed = iterative_rows(run, "taylor", 0.5, 0.1, 0, FinetuneSpec(steps=3, lr=1e-2))
     schedule = iterative_schedule(ad, 0.5, 0.1)
     assert [r["heads_removed"] for r in log] == schedule == [2, 4, 6, 8]
     assert count_heads(removed) == 8 and len(parts) == 4
@@ -88,7 +87,7 @@ def test_iterative_loop_removes_the_scheduled_counts_and_fine_tunes(ids):
     for p, q in zip(dense.parameters(), before, strict=True):  # the loop worked on a copy
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     with pytest.raises(ValueError, match="steps"):
-        iterative_rows(run, "taylor", params, FinetuneSpec(steps=0))
+        iterative_rows(run, "taylor", 0.5, 0.1, 0, FinetuneSpec(steps=0))
 
 
 @pytest.mark.parametrize("n", [2, 4, 6, 10, 16])

@@ -1,6 +1,6 @@
 """The graph of steps (`harp_src.steps`): ids and the store, the inline and Ray executors (retries, a killed worker,
-reruns), `--plan`'s critical path and list scheduling, the runner's refusals, and 06/09/10 on Ray writing what inline
-writes."""
+reruns), `--plan`'s critical path and list scheduling, the runner's refusals, and every study declared as a graph on Ray
+writing what inline writes."""
 
 import os
 import pickle
@@ -177,7 +177,7 @@ def test_plan_of_the_full_and_paper_profiles_runs_nothing(store, capsys, monkeyp
     assert hours == sorted(hours, reverse=True) and hours[0] > hours[-1] > 0
 
 
-SPEED = ("speedup_2k", "speedup_8k", "decode_speedup_8k", "decode_tokens_per_s_8k", "seconds")  # never equal twice
+SPEED = ("speedup_2k", "speedup_8k", "decode_speedup_8k", "decode_tokens_per_s_8k", "seconds", "items_per_s")  # timed
 
 
 def _csvs(study: dict) -> dict:
@@ -186,19 +186,32 @@ def _csvs(study: dict) -> dict:
             for k, v in study.items() if isinstance(v, pd.DataFrame) and k not in ("seconds", "mean_speed")}
 
 
+def _alpha_search_study(p) -> dict:
+    """Notebook 03's two studies on one parameter object, as one dict of tables."""
+    from harp_src.studies.alpha_search import alpha_study, calibration_study
+
+    return alpha_study(p) | {f"calibration {k}": v for k, v in calibration_study(p).items()}
+
+
 @pytest.mark.slow
-def test_06_09_10_on_ray_write_what_inline_writes(store, monkeypatch):
-    """06, 09 and 10 at sizes smaller than quick: their steps on a local Ray cluster of 2 workers (the runner's
-    pre-pass), then the studies read them stored; every table's CSV equals the inline run's byte for byte, but for
-    the timings. Both run one torch thread per step: torch's CPU reductions split their sums by thread count, which
-    moves the 7th significant digit (the runner's --threads makes two runs comparable)."""
+def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
+    """Every study declared as a graph (03, 06, 07, 08, 09, 10) at sizes smaller than quick: their steps on a local
+    Ray cluster of 2 workers (the runner's pre-pass), then the studies read them stored; every table's CSV equals the
+    inline run's byte for byte, but for the timings. Both run one torch thread per step: torch's CPU reductions split
+    their sums by thread count, which moves the 7th significant digit (the runner's --threads makes two runs
+    comparable)."""
     import torch
 
+    from harp_src.studies import graphs
+    from harp_src.studies.alpha_search import AlphaSearchParams
+    from harp_src.studies.evaluation import EvaluationParams, evaluation_study
     from harp_src.studies.frontier import FrontierParams, frontier_graph, frontier_study
+    from harp_src.studies.head_importance import HeadImportanceParams, head_importance_study
     from harp_src.studies.recovery import RecoveryParams, recovery_graph, recovery_study
     from harp_src.studies.scale import ScaleParams, scale_graph, scale_study
 
     small = dict(N_CALIB=1, CALIB_LEN=64, N_EVAL=2, EVAL_LEN=64, SPEED_LENS=[16, 32], DECODE_STEPS=1)
+    declared = graphs()
     studies = [  # the task items are what costs minutes here: one LAMBADA item, where a study needs one at all
         (FrontierParams.defaults(METHODS=["flap:mlp", "harp-mean"], LEVELS=[8], TASKS_MAIN=["lambada_openai"],
                                  LIMIT_MAIN=1, GOLD_TASKS=[], **small), frontier_graph, frontier_study),
@@ -207,6 +220,15 @@ def test_06_09_10_on_ray_write_what_inline_writes(store, monkeypatch):
         (RecoveryParams.defaults(METHODS=["flap:mlp"], TASKS=[], FT_STEPS=1, FT_WINDOWS=1, FT_LEN=32,
                                  **{k: v for k, v in small.items() if not k.startswith(("SPEED", "DECODE"))}),
          recovery_graph, recovery_study),
+        (AlphaSearchParams.defaults(N_CALIB=1, N_TEST=1, SEQ_LEN=32, N_LAYERS=2, CAL_SIZES=[1], CAL_SAMPLES=2,
+                                    CAL_BOOT=2, CAL_N_BOOT=20, CAL_TEST=1),
+         declared["03_alpha_search"][1], _alpha_search_study),
+        (HeadImportanceParams.defaults(N_CALIB=1, N_FT=1, N_TEST=2, N_SENS=1, SEQ_LEN=32, SENSITIVITY_GRID=[1.0],
+                                       SAVINGS_LEN=32, SAVINGS_REPEATS=0),
+         declared["07_head_importance"][1], head_importance_study),
+        (EvaluationParams.defaults(TASKS=["lambada_openai"], LIMIT=1, LIMIT_OTHERS=1, N_CALIB=1, SEQ_LEN=32,
+                                   N_LAYERS=2, N_FIDELITY=1, LC_LENGTHS=[128], LC_DEPTHS=[0.5]),
+         declared["08_evaluation"][1], evaluation_study),
     ]
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -2,14 +2,16 @@
 workers by list scheduling (`python -m harp_src.runner --plan`).
 
 A step's seconds are its stored compute seconds where it ran (whoever ran it), else an estimate from its size:
-its declared size times the median seconds per unit of size of the stored steps of the same function, scaled so
-that a model's steps add up to that model's compute seconds recorded by the last full run (figures/NN_metrics.json)
-where the study recorded them. A worker is one node like the one the seconds were measured on (a step at a time,
-with all its CPUs), so a timing step is alone on its node by construction.
+its declared size times the median seconds per unit of size of the stored steps of the same function. Under the full
+profile the estimates are scaled so that a model's steps add up to that model's compute seconds recorded by the last
+full run (figures/NN_metrics.json) where the study recorded them, else a notebook's steps to its last full run's
+wall time (figures/notebook_minutes.csv, the README's table). A worker is one node like the one the seconds were
+measured on (a step at a time, with all its CPUs), so a timing step is alone on its node by construction.
 """
 
 from __future__ import annotations
 
+import csv
 import heapq
 import json
 import pickle
@@ -56,8 +58,9 @@ def recorded_seconds(notebook: str) -> dict[str, float]:
     path = ROOT / "figures" / f"{notebook}_metrics.json"
     if not path.exists():
         return {}
-    out = {}
-    for entry in json.loads(path.read_text()).get("models", []):
+    out, recorded = {}, json.loads(path.read_text())
+    metrics = recorded.get("metrics", {})
+    for entry in recorded.get("models", []):
         parts = [entry] + [v for k, v in entry.items() if k.endswith("_part") and isinstance(v, dict)]
         total = 0.0
         for part in parts:
@@ -68,9 +71,21 @@ def recorded_seconds(notebook: str) -> dict[str, float]:
                 total += part["part"].get("seconds", 0.0)
             elif part is not entry:
                 total += part.get("seconds", 0.0)
+        if "model_id" in entry and not total:  # a study that kept no parts records its seconds per model
+            value = metrics.get(f"{entry['model_id']}/seconds")
+            total = float(value) if isinstance(value, int | float) else 0.0
         if "model_id" in entry and total:
             out[entry["model_id"]] = total
     return out
+
+
+def notebook_seconds() -> dict[str, float]:
+    """{notebook: wall seconds} of each notebook's last full run (figures/notebook_minutes.csv); {} without it."""
+    path = ROOT / "figures" / "notebook_minutes.csv"
+    if not path.exists():
+        return {}
+    with path.open() as f:
+        return {r["notebook"]: 60 * float(r["minutes"]) for r in csv.DictReader(f)}
 
 
 def cost(graph: Graph, recorded: bool = True) -> list[Costed]:
@@ -89,11 +104,16 @@ def cost(graph: Graph, recorded: bool = True) -> list[Costed]:
 
 
 def _scale_to_recorded(costed: list[Costed]) -> None:
-    """Scale each (notebook, model)'s estimated steps so the model's steps add up to its recorded full-run seconds."""
+    """Scale each (notebook, model)'s estimated steps so the model's steps add up to its recorded full-run seconds;
+    in a notebook that recorded none per model, its estimated steps so they add up to its recorded wall time."""
     groups = defaultdict(list)
     for c in costed:
         groups[(c.step.notebook, c.step.key.get("setup", {}).get("model"))].append(c)
     totals = {nb: recorded_seconds(nb) for nb in {nb for nb, _ in groups}}
+    walls = notebook_seconds()
+    for nb in [nb for nb, per_model in totals.items() if not per_model and nb in walls]:
+        totals[nb] = {None: walls[nb]}
+        groups[(nb, None)] = [c for (n, _), members in list(groups.items()) if n == nb for c in members]
     for (nb, model), members in groups.items():
         target = totals[nb].get(model)
         estimated = [c for c in members if c.source == "size"]
@@ -157,11 +177,11 @@ def list_schedule(costed: list[Costed], workers: int) -> float:
     return now
 
 
-def plan_text(graph: Graph, workers: list[int], whole: dict[str, float] | None = None) -> str:
+def plan_text(graph: Graph, workers: list[int], whole: dict[str, float] | None = None, recorded: bool = True) -> str:
     """What `--plan` prints: steps per notebook and where their seconds come from, the critical path, and the
-    predicted wall time on each K of `workers`. `whole`: notebooks that are not graphs yet, as one step each of the
-    given seconds (their last full run)."""
-    costed = cost(graph)
+    predicted wall time on each K of `workers`. `whole`: notebooks that are not graphs, as one step each of the
+    given seconds (their last full run); `recorded`: scale estimates to the last full run (the full profile only)."""
+    costed = cost(graph, recorded)
     for nb, seconds in (whole or {}).items():
         costed.append(Costed(Step(nb, "whole notebook", {"notebook": nb}, label=f"{nb} (whole notebook)"), seconds,
                              "recorded"))

@@ -15,11 +15,14 @@
 | 10_recovery | `recovery` |
 
 Studies import the capability subpackages of `harp_src` (and `checkpoints.load_model`), never each other; 06, 09 and
-10 share their machinery through `harp_src.compare`, and are declared as graphs of stored steps (`harp_src.steps`),
-listed by `graphs()`.
+10 share their machinery through `harp_src.compare`. The long ones (03 and 06–10, every study whose full profile takes
+more than 30 min) are declared as graphs of stored steps (`harp_src.steps`), listed by `graphs()`.
 """
 
+from .alpha_search import AlphaSearchParams, alpha_graph
+from .evaluation import EvaluationParams, evaluation_graph
 from .frontier import FrontierParams, frontier_graph
+from .head_importance import HeadImportanceParams, head_importance_graph
 from .recovery import RecoveryParams, recovery_graph
 from .scale import ScaleParams, scale_graph
 
@@ -27,5 +30,7 @@ from .scale import ScaleParams, scale_graph
 def graphs() -> dict:
     """{notebook: (its parameter class, its graph function)} of the studies declared as graphs of steps: the runner
     runs their steps on an executor before the notebooks render them."""
-    return {"06_baselines": (FrontierParams, frontier_graph), "09_scale": (ScaleParams, scale_graph),
+    return {"03_alpha_search": (AlphaSearchParams, alpha_graph), "06_baselines": (FrontierParams, frontier_graph),
+            "07_head_importance": (HeadImportanceParams, head_importance_graph),
+            "08_evaluation": (EvaluationParams, evaluation_graph), "09_scale": (ScaleParams, scale_graph),
             "10_recovery": (RecoveryParams, recovery_graph)}

@@ -10,8 +10,9 @@ from typing import ClassVar
 
 import numpy as np
 import pandas as pd
+import torch
 
-from ..checkpoints import load_model
+from ..compare.points import ModelSteps
 from ..data.corpora import calibration_samples, ppl_windows
 from ..eval.fidelity import fidelity_windows, reference_states
 from ..eval.stats import mean_ci, paired_difference
@@ -24,6 +25,9 @@ from ..model.adapter import fingerprint
 from ..model.loading import model_info
 from ..model.paper import LLAMA31_8B, official_llama31_8b_alphas
 from ..report.params import StudyParams
+from ..steps import context
+from ..steps.executors import Outcome, run_steps
+from ..steps.graph import Graph
 
 SEARCHED, CLOSED_FORM, REFINED = "HARP, searched α", "HARP, closed-form α*", "HARP, searched + refined α"
 
@@ -51,6 +55,20 @@ class AlphaSearchParams(StudyParams):
     dtype: str
     device: str
 
+    # the windows under the names every step's setup uses (`compare.points.setup_of`): the search's calibration
+    # windows and the ablation's test windows, all SEQ_LEN tokens long
+    @property
+    def calib_len(self) -> int:
+        return self.seq_len
+
+    @property
+    def n_eval(self) -> int:
+        return self.n_test
+
+    @property
+    def eval_len(self) -> int:
+        return self.seq_len
+
 
 def _timed(timing: list, name: str, method: str, fn, *args, **kwargs):
     """fn(*args, **kwargs), appending its wall time to `timing` as one row."""
@@ -72,40 +90,79 @@ def _variants(model, calib, layers, refine_sweeps: int, timed, history: list) ->
     return variants | fixed
 
 
+def variants_step(key: dict, inputs: dict) -> dict:
+    """Every way of setting α of key's layers on the setup's calibration windows, each search timed: variants
+    ({variant: {layer: α}}), history (the greedy search's candidates) and timing rows."""
+    setup = key["setup"]
+    model, calib = context.dense(setup)[0], context.windows(setup, "train")
+    timing, history = [], []
+    variants = _variants(model, calib, key["layers"], key["refine_sweeps"],
+                         functools.partial(_timed, timing, setup["model"]), history)
+    return {"variants": variants, "history": history, "timing": timing}
+
+
+def ablation_step(key: dict, inputs: dict) -> dict:
+    """Test perplexity of dense and of every variant's plan on the setup's test windows, with the parameters each
+    plan removes: ablation rows and the model's provenance."""
+    setup = key["setup"]
+    model = context.dense(setup)[0]
+    bounds = Boundaries(model, context.windows(setup, "test"))
+    rows = []
+    for variant, alphas in {"dense": {}, **inputs["search"]["variants"]}.items():
+        report = param_report(model.config, HarpPlan(fingerprint(model.config), alphas)) if alphas else {}
+        rows.append(dict(model=setup["model"], variant=variant, test_ppl=ppl_of_plan(bounds, alphas),
+                         params_removed=report.get("params_removed", 0), ratio_paper=report.get("ratio_paper", 0.0)))
+    return {"ablation": rows, "info": model_info(model)}
+
+
+def _declare_variants(graph: Graph, p: AlphaSearchParams, name: str) -> dict:
+    ms = ModelSteps.open(graph, p, name)
+    layers = parse_layers(f"top:{p.n_layers or quarter_depth(ms.num_layers)}", ms.num_layers)
+    search = ms.add(variants_step, {"layers": layers, "refine_sweeps": p.refine_sweeps}, label="α variants",
+                    size=len(layers) * p.n_calib * p.seq_len / 256 * (2 + p.refine_sweeps))
+    ablation = ms.add(ablation_step, {}, {"search": search}, "α ablation", size=p.n_test * p.seq_len / 256)
+    return {"name": name, "num_layers": ms.num_layers, "search": search, "ablation": ablation}
+
+
+def _alpha_tables(ids: dict, out: Outcome) -> dict:
+    name, L = ids["name"], ids["num_layers"]
+    search, ablation = out.results[ids["search"]], out.results[ids["ablation"]]
+    curves = [dict(model=name, **{k: r[k] for k in ("layer", "alpha", "calib_ppl")}) for r in search["history"]]
+    chosen = [dict(model=name, layer=i, rank_from_top=L - i, source=source, alpha=a)
+              for source, alphas in search["variants"].items() if "α =" not in source for i, a in alphas.items()]
+    return {"curves": curves, "chosen": chosen, "ablation": ablation["ablation"], "timing": search["timing"],
+            "info": ablation["info"]}
+
+
 def alpha_study(p: AlphaSearchParams) -> dict:
     """Greedy α search on enwiki-train, then enwiki-test PPL of dense vs HARP with searched / α = 1 / α = 0 /
-    closed-form (and refined) α, per model. n_layers = 0 means the paper's depth · 8/32.
+    closed-form (and refined) α, per model. n_layers = 0 means the paper's depth · 8/32. Two stored steps per model
+    (the searches, the ablation), run inline where the runner has not run them already.
 
     Returns:
         dict of tables: curves (model, layer, alpha, calib_ppl), chosen (model, layer, rank_from_top, source,
         alpha), ablation (model, variant, test_ppl, params_removed, ratio_paper), timing, infos.
     """
-    curves, chosen, ablation, timing, infos = [], [], [], [], []
-    for name in p.models:
-        model, tok = load_model(name, dtype=p.dtype, device=p.device)
-        L = fingerprint(model.config)["num_layers"]
-        layers = parse_layers(f"top:{p.n_layers or quarter_depth(L)}", L)
-        calib = ppl_windows(tok, "enwiki", "train", p.n_calib, p.seq_len, p.seed)
-        history: list = []
-        variants = _variants(model, calib, layers, p.refine_sweeps, functools.partial(_timed, timing, name), history)
-        curves += [dict(model=name, **{k: r[k] for k in ("layer", "alpha", "calib_ppl")}) for r in history]
-        for source, alphas in variants.items():
-            if "α =" not in source:
-                chosen += [dict(model=name, layer=i, rank_from_top=L - i, source=source, alpha=a)
-                           for i, a in alphas.items()]
-        bounds = Boundaries(model, ppl_windows(tok, "enwiki", "test", p.n_test, p.seq_len, p.seed))
-        for variant, alphas in {"dense": {}, **variants}.items():
-            report = param_report(model.config, HarpPlan(fingerprint(model.config), alphas)) if alphas else {}
-            ablation.append(dict(model=name, variant=variant, test_ppl=ppl_of_plan(bounds, alphas),
-                                 params_removed=report.get("params_removed", 0),
-                                 ratio_paper=report.get("ratio_paper", 0.0)))
-        infos.append(model_info(model))
-        del model, bounds
+    graph = Graph()
+    models = [_declare_variants(graph, p, name) for name in p.models]
+    out = run_steps(graph, reuse=False)
+    parts = [_alpha_tables(ids, out) for ids in models]
+    chosen = [r for part in parts for r in part["chosen"]]
     depth = LLAMA31_8B["num_hidden_layers"]
     chosen += [dict(model="Llama-3.1-8B (official code)", layer=i, rank_from_top=depth - i, source="official list",
                     alpha=a) for i, a in official_llama31_8b_alphas().items()]
-    return {"curves": pd.DataFrame(curves), "chosen": pd.DataFrame(chosen), "ablation": pd.DataFrame(ablation),
-            "timing": pd.DataFrame(timing), "infos": infos}
+    return {**{k: pd.DataFrame([r for part in parts for r in part[k]]) for k in ("curves", "ablation", "timing")},
+            "chosen": pd.DataFrame(chosen), "infos": [part["info"] for part in parts]}
+
+
+def alpha_graph(p: AlphaSearchParams) -> tuple[Graph, list[dict]]:
+    """Notebook 03's steps, both studies' (for the runner): each model's searches and ablation, then its
+    calibration-size runs and bootstrap."""
+    graph = Graph()
+    every_size = _every_size(p)
+    return graph, [_declare_variants(graph, p, name) | {"calibration": _declare_calibration(graph, p, name,
+                                                                                             every_size)}
+                   for name in p.models]
 
 
 def summarise_alpha(tables: dict) -> dict:
@@ -197,57 +254,108 @@ def _moves(windows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _model_calibration(name: str, p: AlphaSearchParams, every_size: list[int]) -> dict:
-    """The calibration-size study of one model (see `calibration_study`); `every_size`: all models' sample sizes,
-    at which the bootstrap also resamples."""
-    model, tok = load_model(name, dtype=p.dtype, device=p.device)
-    L = fingerprint(model.config)["num_layers"]
-    layers = parse_layers(f"top:{p.n_layers or quarter_depth(L)}", L)
-    sizes, boot_n, seq_len = list(per_model(p.cal_sizes, name)), int(per_model(p.cal_boot, name)), p.seq_len
-    samples, source_sample = calibration_samples(tok, p.cal_samples, sizes, seq_len, p.seed, extra=boot_n)
-    runs = [(n, f"s{k + 1}", calib) for n in sorted(samples) for k, calib in enumerate(samples[n])]
-    runs.append((boot_n, "bootstrap source", source_sample))  # disjoint from every sample above
-    test = ppl_windows(tok, "enwiki", "test", p.cal_test, seq_len, p.seed)
-    ref = reference_states(model, test, QUALITY_BATCH)
-    plans, windows, timing, record = [], [], [], {}
+def _test_reference(model, tok, p_test: int, seq_len: int, seed: int) -> tuple[torch.Tensor, list]:
+    """The calibration study's enwiki-test windows and the dense final states on them."""
+    test = ppl_windows(tok, "enwiki", "test", p_test, seq_len, seed)
+    return test, reference_states(model, test, QUALITY_BATCH)
 
-    def evaluate(alphas, **keys):
-        per_window = _plan_windows(model, ref, test, alphas).assign(model=name, **keys)
+
+def _evaluated(model, ref, test, alphas: dict[int, float], L: int, name: str, **keys) -> tuple[pd.DataFrame, list]:
+    """(per test window, per layer rows) of one plan: see `_plan_windows` and `_plan_rows`."""
+    per_window = _plan_windows(model, ref, test, alphas).assign(model=name, **keys)
+    return per_window, _plan_rows(per_window, alphas, L, model=name, **keys)
+
+
+def calibration_run_step(key: dict, inputs: dict) -> dict:
+    """One calibration sample (sample `index` of size `n`, or the bootstrap source with index None) searched greedily
+    and in closed form, each plan measured on the test windows: found ({method: {layer: α}}), timing, windows, plans,
+    and for the bootstrap source the search's per-window NLLs (record)."""
+    setup = key["setup"]
+    model, tok = context.dense(setup)
+    name, seq_len, n, index = setup["model"], setup["calib_len"], key["n"], key["index"]
+    samples, source = calibration_samples(tok, key["cal_samples"], key["sizes"], seq_len, setup["seed"],
+                                          extra=key["boot_n"])
+    calib = source if index is None else samples[n][index]
+    sample = "bootstrap source" if index is None else f"s{index + 1}"
+    L, layers = fingerprint(model.config)["num_layers"], key["layers"]
+    test, ref = _test_reference(model, tok, key["cal_test"], seq_len, setup["seed"])
+    record, timing, windows, plans = {}, [], [], []
+    start = time.perf_counter()
+    found = {SEARCH: search_alphas(model, calib, layers, window_nll=record)}
+    timing.append(dict(model=name, calib_tokens=n * seq_len, method=SEARCH, seconds=time.perf_counter() - start))
+    start = time.perf_counter()
+    found[STAR] = closed_form_alphas(model, calib, layers)
+    timing.append(dict(model=name, calib_tokens=n * seq_len, method=STAR, seconds=time.perf_counter() - start))
+    for method, alphas in found.items():
+        per_window, rows = _evaluated(model, ref, test, alphas, L, name, calib_tokens=n * seq_len, sample=sample,
+                                      method=method)
         windows.append(per_window)
-        plans.extend(_plan_rows(per_window, alphas, L, model=name, **keys))
+        plans += rows
+    return {"found": found, "timing": timing, "windows": windows, "plans": plans,
+            "record": record if index is None else None}
 
-    for n, sample, calib in runs:
-        record = {}
-        start = time.perf_counter()
-        found = {SEARCH: search_alphas(model, calib, layers, window_nll=record)}
-        timing.append(dict(model=name, calib_tokens=n * seq_len, method=SEARCH, seconds=time.perf_counter() - start))
-        start = time.perf_counter()
-        found[STAR] = closed_form_alphas(model, calib, layers)
-        timing.append(dict(model=name, calib_tokens=n * seq_len, method=STAR, seconds=time.perf_counter() - start))
-        for method, alphas in found.items():
-            evaluate(alphas, calib_tokens=n * seq_len, sample=sample, method=method)
-    source = found  # the last run: the bootstrap source, the largest sample; `record` is its search
+
+def bootstrap_step(key: dict, inputs: dict) -> dict:
+    """The bootstrap source's search resampled at its own size and every smaller size of any model (`resample_search`
+    on its per-window NLLs), and the first CAL_BOOT_PLANS replicates at its size measured on the test windows."""
+    setup = key["setup"]
+    model, tok = context.dense(setup)
+    name, seq_len, boot_n = setup["model"], setup["calib_len"], key["boot_n"]
+    L = fingerprint(model.config)["num_layers"]
     boot = []
-    for n in sorted({n for n in every_size if n < boot_n} | {boot_n}):
-        counts = bootstrap_counts(boot_n, n, p.cal_n_boot, p.seed + n)
-        boot.append(resample_search(record, counts, GRID).assign(calib_tokens=n * seq_len))
+    for n in sorted({n for n in key["every_size"] if n < boot_n} | {boot_n}):
+        counts = bootstrap_counts(boot_n, n, key["cal_n_boot"], setup["seed"] + n)
+        boot.append(resample_search(inputs["source"]["record"], counts, GRID).assign(calib_tokens=n * seq_len))
     boot = pd.concat(boot, ignore_index=True).assign(model=name)
     boot["rank_from_top"] = L - boot.layer
     largest = boot[boot.calib_tokens == boot_n * seq_len]
-    for r in range(p.cal_boot_plans):
+    test, ref = _test_reference(model, tok, key["cal_test"], seq_len, setup["seed"]) if key["plans"] else (None, None)
+    windows, plans = [], []
+    for r in range(key["plans"]):
         part = largest[largest.replicate == r]
-        evaluate(dict(zip(part.layer, part.alpha, strict=True)), calib_tokens=boot_n * seq_len,
-                 sample=f"resample {r + 1}", method=REPLICATE)
-    plans = pd.DataFrame(plans)
+        per_window, rows = _evaluated(model, ref, test, dict(zip(part.layer, part.alpha, strict=True)), L, name,
+                                      calib_tokens=boot_n * seq_len, sample=f"resample {r + 1}", method=REPLICATE)
+        windows.append(per_window)
+        plans += rows
+    return {"boot": boot, "windows": windows, "plans": plans, "info": model_info(model)}
+
+
+def _every_size(p: AlphaSearchParams) -> list[int]:
+    """All models' sample sizes: the bootstrap of each model also resamples at these."""
+    return sorted({int(n) for name in p.models for n in per_model(p.cal_sizes, name)})
+
+
+def _declare_calibration(graph: Graph, p: AlphaSearchParams, name: str, every_size: list[int]) -> dict:
+    """One model's calibration-size steps: a step per sample (and the bootstrap source), then the bootstrap."""
+    ms = ModelSteps.open(graph, p, name)
+    layers = parse_layers(f"top:{p.n_layers or quarter_depth(ms.num_layers)}", ms.num_layers)
+    sizes, boot_n = [int(n) for n in per_model(p.cal_sizes, name)], int(per_model(p.cal_boot, name))
+    common = {"layers": layers, "sizes": sizes, "cal_samples": p.cal_samples, "boot_n": boot_n,
+              "cal_test": p.cal_test}
+    runs = [(n, k) for n in sorted(set(sizes)) for k in range(p.cal_samples)] + [(boot_n, None)]
+    ids = [ms.add(calibration_run_step, common | {"n": n, "index": k},
+                  label=f"calibration {n * p.seq_len} tokens {'source' if k is None else f's{k + 1}'}",
+                  size=len(layers) * n * p.seq_len / 256 + 2 * p.cal_test * p.seq_len / 256) for n, k in runs]
+    boot = ms.add(bootstrap_step, common | {"every_size": every_size, "cal_n_boot": p.cal_n_boot,
+                                            "plans": p.cal_boot_plans}, {"source": ids[-1]}, "bootstrap",
+                  size=p.cal_boot_plans * p.cal_test * p.seq_len / 256 + p.cal_n_boot / 1000)
+    return {"runs": ids, "boot": boot, "layers": layers}
+
+
+def _calibration_tables(name: str, ids: dict, out: Outcome, step: float) -> dict:
+    runs = [out.results[i] for i in ids["runs"]]
+    boot = out.results[ids["boot"]]
+    windows = [w for r in runs for w in r["windows"]] + boot["windows"]
+    plans = pd.DataFrame([row for r in runs for row in r["plans"]] + boot["plans"])
     dense_ppl = float(np.exp(pd.concat(windows).drop_duplicates("window").nll_reference.mean()))
-    spread = _spread(plans, boot, source, step=GRID[1] - GRID[0]).assign(model=name)
-    agreement = _agreement(plans, boot).assign(model=name)
+    spread = _spread(plans, boot["boot"], runs[-1]["found"], step=step).assign(model=name)
+    agreement = _agreement(plans, boot["boot"]).assign(model=name)
     windows = pd.concat(windows, ignore_index=True)
-    info = model_info(model)
-    return {"plans": plans, "windows": windows, "bootstrap": boot, "spread": spread, "agreement": agreement,
-            "moves": _moves(windows[windows.method != REPLICATE]).assign(model=name), "timing": pd.DataFrame(timing),
-            "dense": pd.DataFrame([dict(model=name, test_ppl=dense_ppl, layers=" ".join(map(str, layers)))]),
-            "infos": [info]}
+    layers = " ".join(map(str, ids["layers"]))
+    return {"plans": plans, "windows": windows, "bootstrap": boot["boot"], "spread": spread, "agreement": agreement,
+            "moves": _moves(windows[windows.method != REPLICATE]).assign(model=name),
+            "timing": pd.DataFrame([t for r in runs for t in r["timing"]]),
+            "dense": pd.DataFrame([dict(model=name, test_ppl=dense_ppl, layers=layers)]), "infos": [boot["info"]]}
 
 
 def calibration_study(p: AlphaSearchParams) -> dict:
@@ -260,15 +368,19 @@ def calibration_study(p: AlphaSearchParams) -> dict:
       (`resample_search`; validated against the real samples);
     - every plan's test PPL and KL to dense on CAL_TEST enwiki-test windows, and CAL_BOOT_PLANS bootstrap plans.
 
+    A stored step per sample and one for the bootstrap, run inline where the runner has not run them already.
+
     Returns:
         dict of tables: plans (model, calib_tokens, sample, method, layer, alpha, test_ppl, kl_to_dense, …),
         windows (per test window and plan), bootstrap (replicate, layer, alpha per size), spread, agreement,
         moves (paired KL differences between samples), timing, dense, infos.
     """
+    graph, every_size = Graph(), _every_size(p)
+    models = [(name, _declare_calibration(graph, p, name, every_size)) for name in p.models]
+    out = run_steps(graph, reuse=False)
     tables: dict[str, list] = {}
-    every_size = sorted({int(n) for name in p.models for n in per_model(p.cal_sizes, name)})
-    for name in p.models:
-        for key, value in _model_calibration(name, p, every_size).items():
+    for name, ids in models:
+        for key, value in _calibration_tables(name, ids, out, GRID[1] - GRID[0]).items():
             tables.setdefault(key, []).append(value)
     infos = [i for part in tables.pop("infos") for i in part]
     return {k: pd.concat(v, ignore_index=True) for k, v in tables.items()} | {"infos": infos}

@@ -8,13 +8,12 @@ the dense model on held-out text, and the synthetic long-context tasks (issues 6
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
 import pandas as pd
 
-from ..checkpoints import load_model
+from ..compare.points import ModelSteps
 from ..data.corpora import ppl_windows
 from ..data.longcontext import multidoc_items, passkey_items
 from ..eval.fidelity import fidelity
@@ -27,6 +26,9 @@ from ..method.search import search_alphas
 from ..model.adapter import fingerprint
 from ..model.loading import model_info
 from ..report.params import StudyParams
+from ..steps import context
+from ..steps.executors import Outcome, run_steps
+from ..steps.graph import Graph
 
 DENSE, SEARCHED, ALPHA1, ALPHA0 = "dense", "HARP, searched α", "HARP, α = 1", "attention dropped, α = 0"
 METHODS = (DENSE, SEARCHED, ALPHA1, ALPHA0)
@@ -60,6 +62,20 @@ class EvaluationParams(StudyParams):
     dtype: str
     device: str
 
+    # the windows under the names every step's setup uses (`compare.points.setup_of`): the search's N_CALIB and the
+    # N_FIDELITY test windows per corpus, all SEQ_LEN tokens long
+    @property
+    def calib_len(self) -> int:
+        return self.seq_len
+
+    @property
+    def n_eval(self) -> int:
+        return self.n_fidelity
+
+    @property
+    def eval_len(self) -> int:
+        return self.seq_len
+
 
 def method_alphas(model, tok, n_layers: int, n_calib: int, seq_len: int, seed: int) -> dict[str, dict | None]:
     """{method: {layer: α}} for the top-N layers (N = 0: the paper's depth · 8/32); α searched on enwiki-train."""
@@ -84,34 +100,80 @@ def _pruned(dense, alphas: dict[int, float] | None, method: str):
     return model
 
 
-def _model_part(name: str, p: EvaluationParams) -> dict:
-    """Every method of one model: task results and items, fidelity to dense, long-context answers."""
-    start = time.perf_counter()
-    dense, tok = load_model(name, dtype=p.dtype, device=p.device)
-    variants = method_alphas(dense, tok, p.n_layers, p.n_calib, p.seq_len, p.seed)
-    windows = {c: ppl_windows(tok, c, "test", p.n_fidelity, p.seq_len, p.seed)
-               for c in FIDELITY_CORPORA} if p.n_fidelity else {}
-    lc_items = long_context_items(tok, p.lc_lengths, p.lc_depths, p.lc_per_cell, p.seed) if p.lc_lengths else []
-    out = {"results": [], "items": [], "fidelity": [], "long_context": [], "info": model_info(dense),
-           "alphas": [dict(model=name, layer=i, alpha=a) for i, a in variants[SEARCHED].items()]}
-    for method, alphas in variants.items():
-        print(f"== {name}: {method}", flush=True)
-        model = _pruned(dense, alphas, method)
+def alphas_step(key: dict, inputs: dict) -> dict:
+    """Every method's α's (`method_alphas`: the search on the setup's calibration windows) and the model's
+    provenance."""
+    setup = key["setup"]
+    dense, tok = context.dense(setup)
+    return {"variants": method_alphas(dense, tok, key["n_layers"], setup["n_calib"], setup["calib_len"],
+                                      setup["seed"]), "info": model_info(dense)}
+
+
+def method_step(key: dict, inputs: dict) -> dict:
+    """One method of one model: its task results and items, its fidelity to dense on each corpus' test windows
+    (pruned methods), and its long-context answers (LONG_CONTEXT_METHODS)."""
+    setup = key["setup"]
+    name, method, seed = setup["model"], key["method"], setup["seed"]
+    dense, tok = context.dense(setup)
+    alphas = inputs["alphas"]["variants"][method]
+    print(f"== {name}: {method}", flush=True)
+    model = _pruned(dense, alphas, method)
+    items: list = []
+    table = run_tasks(model, tok, key["tasks"], key["limit"], num_fewshot=key["fewshot"],
+                      batch_size=TASK_BATCH, items=items)
+    fid, answers = [], None
+    if alphas is not None and setup["n_eval"]:
+        for corpus in FIDELITY_CORPORA:
+            windows = ppl_windows(tok, corpus, "test", setup["n_eval"], setup["eval_len"], seed)
+            fid.append(fidelity(dense, model, windows, seed=seed).assign(model=name, method=method, corpus=corpus))
+    lc = key["long_context"]
+    if lc["lengths"] and method in LONG_CONTEXT_METHODS:
+        lc_items = long_context_items(tok, lc["lengths"], lc["depths"], lc["per_cell"], seed)
+        answers = long_context_eval(model, tok, lc_items).assign(model=name, method=method)
+    return {"results": table.assign(model=name, method=method),
+            "items": [dict(model=name, method=method, **row) for row in items], "fidelity": fid,
+            "long_context": answers}
+
+
+def _declare_model(graph: Graph, p: EvaluationParams, name: str) -> dict:
+    """One model's steps: the α search, then every method side by side."""
+    ms = ModelSteps.open(graph, p, name)
+    n = p.n_layers or quarter_depth(ms.num_layers)
+    alphas = ms.add(alphas_step, {"n_layers": p.n_layers}, label="α search", size=n * p.n_calib * p.seq_len / 256)
+    lc = {"lengths": list(p.lc_lengths), "depths": list(p.lc_depths), "per_cell": p.lc_per_cell}
+    methods = []
+    for method in METHODS:
         limit = limits_for(p.limit if method in MAIN else p.limit_others, name)
-        items: list = []
-        table = run_tasks(model, tok, p.tasks, limit, num_fewshot=p.fewshot, batch_size=TASK_BATCH, items=items)
-        out["results"].append(table.assign(model=name, method=method))
-        out["items"] += [dict(model=name, method=method, **row) for row in items]
-        if alphas is not None:
-            for corpus, w in windows.items():
-                out["fidelity"].append(fidelity(dense, model, w, seed=p.seed).assign(
-                    model=name, method=method, corpus=corpus))
-        if lc_items and method in LONG_CONTEXT_METHODS:
-            out["long_context"].append(long_context_eval(model, tok, lc_items).assign(model=name, method=method))
-        del model
-    out["seconds"] = dict(model=name, seconds=time.perf_counter() - start)
-    print(f"== {name}: {out['seconds']['seconds'] / 60:.1f} min", flush=True)
-    return out
+        items = sum(_counts(limit, p.tasks))
+        long = 2 * len(p.lc_depths) * p.lc_per_cell * sum(p.lc_lengths) / 256 if method in LONG_CONTEXT_METHODS else 0
+        methods.append(ms.add(method_step, {"method": method, "tasks": list(p.tasks), "limit": limit,
+                                            "fewshot": p.fewshot, "long_context": lc}, {"alphas": alphas},
+                              f"{method}", size=items / 20 + long + 2 * p.n_fidelity * p.seq_len / 256))
+    return {"name": name, "alphas": alphas, "methods": methods}
+
+
+def _counts(limit, tasks: list[str]) -> list[int]:
+    """Items asked of each task (100 where a limit does not say; for size estimates only)."""
+    return [int((limit.get(t, 100) if isinstance(limit, dict) else limit) or 100) for t in tasks]
+
+
+def evaluation_graph(p: EvaluationParams) -> tuple[Graph, list[dict]]:
+    """The study's steps for every model, and each model's step ids by role."""
+    graph = Graph()
+    return graph, [_declare_model(graph, p, name) for name in p.models]
+
+
+def _model_tables(ids: dict, out: Outcome) -> dict:
+    name, res = ids["name"], out.results
+    methods = [res[i] for i in ids["methods"]]
+    variants = res[ids["alphas"]]["variants"]
+    seconds = sum(out.provenance[i].get("seconds", 0.0) for i in [ids["alphas"], *ids["methods"]])
+    return {"results": [m["results"] for m in methods], "items": [i for m in methods for i in m["items"]],
+            "fidelity": [f for m in methods for f in m["fidelity"]],
+            "long_context": [m["long_context"] for m in methods if m["long_context"] is not None],
+            "info": res[ids["alphas"]]["info"],
+            "alphas": [dict(model=name, layer=i, alpha=a) for i, a in variants[SEARCHED].items()],
+            "seconds": dict(model=name, seconds=seconds)}
 
 
 def _first(df: pd.DataFrame) -> pd.DataFrame:
@@ -122,7 +184,8 @@ def _first(df: pd.DataFrame) -> pd.DataFrame:
 def evaluation_study(p: EvaluationParams) -> dict:
     """Every method of METHODS through run_tasks (MAIN on LIMIT items, the others on LIMIT_OTHERS), fidelity of
     each pruned method to dense on N_FIDELITY test windows per corpus, the LONG_CONTEXT_METHODS on the synthetic
-    long-context items. Limits may be keyed by model name.
+    long-context items. Limits may be keyed by model name. A stored step per model's search and per method (see
+    `evaluation_graph`), run inline where the runner has not run them already.
 
     Returns:
         dict: results (run_tasks rows + model, method), items (model, method, task, doc_id, correct, raw), paired
@@ -130,7 +193,9 @@ def evaluation_study(p: EvaluationParams) -> dict:
         fidelity (model, method, corpus, metric, value, ci_low, ci_high, n_tokens, …), long_context (answers),
         alphas, seconds, infos.
     """
-    parts = [_model_part(name, p) for name in p.models]
+    graph, models = evaluation_graph(p)
+    out = run_steps(graph, reuse=False)
+    parts = [_model_tables(ids, out) for ids in models]
     items = pd.DataFrame([row for part in parts for row in part["items"]])
     fid = [f for part in parts for f in part["fidelity"]]
     lc = [f for part in parts for f in part["long_context"]]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,31 +21,27 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoints import load_model
+from ..compare.points import ModelSteps
 from ..data.corpora import ppl_windows
-from ..eval.fidelity import fidelity_windows, reference_states
+from ..eval.fidelity import fidelity_windows
 from ..eval.stats import decided, mean_ci, paired_difference
 from ..heads.choice import check_fraction, choose_heads, count_heads, iterative_schedule, without
 from ..heads.finetune import FinetuneSpec, check_steps, lora_finetune
 from ..heads.gates import HeadGates
-from ..heads.removal import slice_off_heads
 from ..heads.scores import HEAD_METRICS, head_scores, keep_scores, rescore, scores_table
 from ..heads.sensitivity import HARP_ONE, HARP_SEARCHED, layer_sensitivity
-from ..measure.flops import bypass_flops, half_heads_bound, heads_attention_flops
-from ..measure.kv import prompt_kv_bytes
-from ..measure.timing import latency_pair
-from ..method.harp import apply_harp, harp_applied
+from ..measure.flops import half_heads_bound
+from ..measure.head_savings import savings_table
+from ..method.harp import harp_applied
 from ..method.search import search_alphas
 from ..model.adapter import get_adapter
 from ..model.loading import model_info
-from ..model.weights import n_params
 from ..report.params import StudyParams
+from ..steps import context
+from ..steps.executors import Outcome, run_steps
+from ..steps.graph import Graph
 
 ONE_SHOT, UNIFORM, ITERATIVE, ONE_SHOT_FT = "one-shot", "one-shot, uniform per layer", "iterative", "one-shot + FT"
-
-
-
-
 MIN_WINDOWS = 10  # fewer paired windows than this: an interval is reported but no difference is called
 
 
@@ -96,6 +91,20 @@ class HeadImportanceParams(StudyParams):
             raise ValueError(f"N_SENS (the sensitivity profile's test windows) must be in 1..N_TEST={self.n_test}, "
                              f"got {self.n_sens}")
 
+    # the windows under the names every step's setup uses (`compare.points.setup_of`): N_CALIB scoring windows and
+    # N_TEST test windows, all SEQ_LEN tokens long
+    @property
+    def calib_len(self) -> int:
+        return self.seq_len
+
+    @property
+    def n_eval(self) -> int:
+        return self.n_test
+
+    @property
+    def eval_len(self) -> int:
+        return self.seq_len
+
 
 @dataclass
 class ModelRun:
@@ -139,22 +148,23 @@ def one_shot_rows(dense, keep: dict[str, torch.Tensor], fractions: list[float], 
     return out
 
 
-def iterative_rows(run: ModelRun, metric: str, p: HeadImportanceParams, spec: FinetuneSpec
+def iterative_rows(run: ModelRun, metric: str, target: float, step: float, seed: int, spec: FinetuneSpec
                    ) -> tuple[list[pd.DataFrame], list[dict], dict[int, list[int]]]:
-    """Remove STEP of the remaining heads, fine-tune (LoRA, on a copy), re-score, repeat up to TARGET.
+    """Remove `step` of the remaining heads, fine-tune (LoRA, on a copy), re-score (seed + round), repeat up to
+    `target`.
 
     Returns the per-window measurements after every round, one record per round (heads, fine-tune losses, test
     perplexity), and the final head set.
     """
     check_steps(spec.steps)
-    dense, target, seed = run.dense, p.target, p.seed
+    dense = run.dense
     ad = get_adapter(dense)
     total = ad.n_layers * ad.n_heads
     model = copy.deepcopy(dense)
     removed: dict[int, list[int]] = {}
     out, log = [], []
     with HeadGates(model) as gates:
-        for k, count in enumerate(tqdm(iterative_schedule(ad, target, p.step), desc=f"iterative {metric}")):
+        for k, count in enumerate(tqdm(iterative_schedule(ad, target, step), desc=f"iterative {metric}")):
             scores = without(rescore(model, metric, run.calib, seed + k), removed)
             removed = choose_heads(scores, ad, count)
             gates.close_heads(removed)
@@ -261,134 +271,146 @@ def curve_differences(windows: pd.DataFrame, summary: pd.DataFrame, seed: int = 
     return pd.DataFrame(rows)
 
 
-def savings_row(dense, model, p: HeadImportanceParams, dense_kv: int, dense_params: int) -> dict:
-    """What one really pruned model saves against dense: parameters, KV bytes at SAVINGS_LEN, and prefill / decode
-    latency there, interleaved with dense (`measure.timing.latency_pair`; SAVINGS_REPEATS 0 skips the timing)."""
-    seq_len, repeats = p.savings_len, p.savings_repeats
-    lat = latency_pair(dense, model, seq_len, repeats=repeats) if repeats else {}
-    kv = prompt_kv_bytes(model, seq_len)
-    removed = dense_params - n_params(model)
-    return dict(params_removed=removed, kv_bytes=kv, kv_ratio=kv / dense_kv, **lat)
-
-
-def savings_table(run: ModelRun, heads_sets: dict[str, tuple[float, dict[int, list[int]]]], alphas: dict[int, float],
-                  p: HeadImportanceParams) -> tuple[pd.DataFrame, dict]:
-    """Slice each head set off a copy (checked: same logits as the gated model), build HARP at the same heads (the
-    SAVINGS_FRACTIONS of layers), and measure what each saves. Returns the table and the largest |sliced − gated|
-    logit difference."""
-    dense, test, seq_len = run.dense, run.test, p.savings_len
-    ad = get_adapter(dense)
-    cfg = dense.config
-    dense_params = n_params(dense)
-    dense_kv = prompt_kv_bytes(dense, seq_len)
-    prefill_dense, decode_dense = bypass_flops(cfg, {}, seq_len), bypass_flops(cfg, {}, 1, seq_len)
-    rows, worst = [], 0.0
-    probe = test[:1]
-    for label, (frac, heads) in heads_sets.items():
-        with HeadGates(dense) as gates:
-            gates.close_heads(heads)
-            with torch.no_grad():
-                gated = dense(input_ids=probe).logits
-        model = copy.deepcopy(dense)
-        slice_off_heads(model, heads)
-        with torch.no_grad():
-            worst = max(worst, float((model(input_ids=probe).logits - gated).abs().max()))
-        kept = {i: ad.n_heads - len(heads.get(i, [])) for i in range(ad.n_layers)}
-        row = dict(config=label, frac_heads_removed=frac) | savings_row(dense, model, p, dense_kv, dense_params)
-        row |= dict(attn_prefill_flop_ratio=prefill_dense / heads_attention_flops(cfg, kept, seq_len),
-                    attn_decode_flop_ratio=decode_dense / heads_attention_flops(cfg, kept, 1, seq_len))
-        rows.append(row)
-        del model
-    for frac in p.savings_fractions:
-        n = max(1, round(frac * ad.n_layers))
-        plan = {i: alphas[i] for i in range(ad.n_layers - n, ad.n_layers)}
-        model = copy.deepcopy(dense)
-        apply_harp(model, sorted(plan), plan)
-        row = dict(config=f"{HARP_SEARCHED}, top {frac:.0%} of layers", frac_heads_removed=n / ad.n_layers)
-        row |= savings_row(dense, model, p, dense_kv, dense_params)
-        row |= dict(attn_prefill_flop_ratio=prefill_dense / bypass_flops(cfg, plan, seq_len),
-                    attn_decode_flop_ratio=decode_dense / bypass_flops(cfg, plan, 1, seq_len))
-        rows.append(row)
-        del model
-    return pd.DataFrame(rows), {"max_abs_logit_diff_sliced_vs_gated": worst}
-
-
 # ---------------------------------------------------------------------------------------------- the study
-def _iterative_part(run: ModelRun, p: HeadImportanceParams, keep: dict) -> tuple[list, list, dict]:
-    """Iterative prune → fine-tune per metric, and the same final head count one-shot with the same total
-    fine-tuning: (per-window measurements, the rounds' log, {label: (fraction, head set)} of the one-shot sets)."""
+def _model_run(key: dict) -> ModelRun:
+    """The model's share of the study as a step opens it: the dense model, its scoring, fine-tuning (N_FT more
+    enwiki-train windows after the scoring ones, disjoint from them) and test windows, and dense's test states."""
+    setup = key["setup"]
+    dense, tok = context.dense(setup)
+    n_calib, seq_len = setup["n_calib"], setup["calib_len"]
+    calib = context.windows(setup, "train")
+    ft_windows = (ppl_windows(tok, "enwiki", "train", n_calib + key["n_ft"], seq_len, setup["seed"])[n_calib:]
+                  if key.get("n_ft") else calib[:0])
+    return ModelRun(setup["model"], dense, calib, ft_windows, context.windows(setup, "test"), context.states(setup))
+
+
+def scores_step(key: dict, inputs: dict) -> dict:
+    """Every head's raw statistics and pairwise redundancy on the scoring windows, and the keep scores they give."""
+    run = _model_run(key)
+    raw, pairs = head_scores(run.dense, run.calib)
+    return {"raw": raw, "pairs": pairs, "keep": keep_scores(raw, key["setup"]["seed"])}
+
+
+def sensitivity_step(key: dict, inputs: dict) -> pd.DataFrame:
+    """The per-layer sensitivity profile on the first N_SENS test windows."""
+    run = _model_run(key)
+    return layer_sensitivity(run.dense, run.calib, run.test[: key["n_sens"]], tuple(key["grid"]))
+
+
+def one_shot_step(key: dict, inputs: dict) -> list[pd.DataFrame]:
+    """Every metric's one-shot prune curve (`one_shot_rows`), then dense itself, per test window."""
+    run = _model_run(key)
+    windows = one_shot_rows(run.dense, inputs["scores"]["keep"], key["fractions"], run.test, run.states)
+    windows.append(_measure(run.dense, run.dense, run.test, run.states, metric="dense", schedule="dense", target=0.0,
+                            frac_heads_removed=0.0))
+    return windows
+
+
+def iterative_step(key: dict, inputs: dict) -> dict:
+    """One metric's iterative prune → fine-tune loop, and the same final head count one-shot with the same total
+    fine-tuning: windows, the rounds' log, and the one-shot set {label: (fraction, heads)}."""
+    run = _model_run(key)
+    ad = get_adapter(run.dense)
+    total, metric, seed = ad.n_layers * ad.n_heads, key["metric"], key["setup"]["seed"]
+    spec_ft = FinetuneSpec(steps=key["ft_steps"], lr=key["ft_lr"], seed=seed)
+    windows, log, removed = iterative_rows(run, metric, key["target"], key["step"], seed, spec_ft)
+    one = choose_heads(inputs["scores"]["keep"][metric], ad, count_heads(removed))
+    all_steps = FinetuneSpec(**{**spec_ft.to_dict(), "steps": spec_ft.steps * len(log)})
+    windows.append(one_shot_finetuned(run, one, metric, key["target"], all_steps))
+    return {"windows": windows, "rounds": [dict(model=run.name, metric=metric, **r) for r in log],
+            "set": {f"{metric} one-shot, {count_heads(one) / total:.0%} heads": (count_heads(one) / total, one)}}
+
+
+def harp_step(key: dict, inputs: dict) -> dict:
+    """α searched on the scoring windows for the deepest fraction's top layers, and HARP's points at every fraction
+    (`harp_points`)."""
+    run = _model_run(key)
+    n_layers = get_adapter(run.dense).n_layers
+    top = max(1, round(max(key["fractions"]) * n_layers))
+    alphas = search_alphas(run.dense, run.calib, list(range(n_layers - top, n_layers)))
+    return {"alphas": alphas, "windows": harp_points(run.dense, alphas, key["fractions"], run.test, run.states)}
+
+
+def savings_step(key: dict, inputs: dict) -> dict:
+    """What really slicing off the iterative loops' one-shot sets and Taylor's SAVINGS_FRACTIONS saves, beside HARP at
+    the same fractions (`savings_table`; timed, so it runs alone), the half-heads bound and the model's provenance."""
+    run = _model_run(key)
     ad = get_adapter(run.dense)
     total = ad.n_layers * ad.n_heads
-    spec_ft = FinetuneSpec(steps=p.ft_steps, lr=p.ft_lr, seed=p.seed)
-    windows, rounds, final_sets = [], [], {}
-    for metric in p.iterative_metrics:
-        parts, log, removed = iterative_rows(run, metric, p, spec_ft)
-        windows += parts
-        rounds += [dict(model=run.name, metric=metric, **r) for r in log]
-        one = choose_heads(keep[metric], ad, count_heads(removed))
-        all_steps = FinetuneSpec(**{**spec_ft.to_dict(), "steps": spec_ft.steps * len(log)})
-        windows.append(one_shot_finetuned(run, one, metric, p.target, all_steps))
-        final_sets[f"{metric} one-shot, {count_heads(one) / total:.0%} heads"] = (count_heads(one) / total, one)
-    return windows, rounds, final_sets
+    loops = [inputs[f"it{k}"] for k in range(len(inputs)) if f"it{k}" in inputs]  # in ITERATIVE_METRICS' order
+    final_sets = {label: v for loop in loops for label, v in loop["set"].items()}
+    for frac in key["fractions"]:
+        heads = choose_heads(inputs["scores"]["keep"]["taylor"], ad, round(frac * total))
+        final_sets.setdefault(f"taylor one-shot, {count_heads(heads) / total:.0%} heads",
+                              (count_heads(heads) / total, heads))
+    savings, check = savings_table(run.dense, run.test[:1], final_sets, inputs["harp"]["alphas"], key["fractions"],
+                                   seq_len=key["seq_len"], repeats=key["repeats"])
+    return {"savings": savings, "check": check, "bound": half_heads_bound(run.dense.config, key["seq_len"]),
+            "info": model_info(run.dense)}
 
 
-def _model_part(name: str, p: HeadImportanceParams) -> dict:
-    start = time.perf_counter()
-    dense, tok = load_model(name, dtype=p.dtype, device=p.device)
-    ad = get_adapter(dense)
-    calib = ppl_windows(tok, "enwiki", "train", p.n_calib, p.seq_len, p.seed)
-    ft_windows = ppl_windows(tok, "enwiki", "train", p.n_calib + p.n_ft, p.seq_len,
-                             p.seed)[p.n_calib:]  # disjoint from the scoring windows
-    test = ppl_windows(tok, "enwiki", "test", p.n_test, p.seq_len, p.seed)
-    run = ModelRun(name, dense, calib, ft_windows, test, reference_states(dense, test))
-    seconds = {}
+def _declare_model(graph: Graph, p: HeadImportanceParams, name: str) -> dict:
+    """One model's steps: the scores, then the sensitivity profile, the one-shot curves, each iterative loop and
+    HARP's points side by side, then the savings of the final head sets (alone: it times them)."""
+    ms = ModelSteps.open(graph, p, name)
+    windows = p.n_test * p.seq_len / 256  # one pass over the test windows
+    scores = ms.add(scores_step, {}, label="head scores", size=3 * p.n_calib * p.seq_len / 256)
+    sens = ms.add(sensitivity_step, {"n_sens": p.n_sens, "grid": list(p.sensitivity_grid)}, label="sensitivity",
+                  size=ms.num_layers * (len(p.sensitivity_grid) + 2) * p.n_sens * p.seq_len / 256)
+    one = ms.add(one_shot_step, {"fractions": list(p.fractions)}, {"scores": scores}, "one-shot curves",
+                 size=len(HEAD_METRICS) * 2 * len(p.fractions) * windows)
+    iterative = [ms.add(iterative_step, {"metric": m, "n_ft": p.n_ft, "target": p.target, "step": p.step,
+                                         "ft_steps": p.ft_steps, "ft_lr": p.ft_lr}, {"scores": scores},
+                        f"iterative {m}", size=10 * (p.ft_steps + windows)) for m in p.iterative_metrics]
+    harp = ms.add(harp_step, {"fractions": list(p.fractions)}, label="HARP points",
+                  size=max(p.fractions) * ms.num_layers * p.n_calib * p.seq_len / 256 + 2 * len(p.fractions) * windows)
+    savings = ms.add(savings_step, {"fractions": list(p.savings_fractions), "seq_len": p.savings_len,
+                                    "repeats": p.savings_repeats},
+                     {"scores": scores, "harp": harp} | {f"it{k}": i for k, i in enumerate(iterative)}, "savings",
+                     alone=True, size=(len(p.iterative_metrics) + 2 * len(p.savings_fractions)) * p.savings_len / 256
+                     * (1 + p.savings_repeats))
+    return {"name": name, "scores": scores, "sensitivity": sens, "one_shot": one, "iterative": iterative,
+            "harp": harp, "savings": savings}
 
-    def lap(what):
-        seconds[what] = time.perf_counter() - start - sum(seconds.values())
 
-    raw, pairs = head_scores(dense, calib)
-    keep = keep_scores(raw, p.seed)
-    lap("scores")
-    sensitivity = layer_sensitivity(dense, calib, test[: p.n_sens], tuple(p.sensitivity_grid)).assign(model=name)
-    lap("sensitivity")
-    windows = one_shot_rows(dense, keep, p.fractions, test, run.states)
-    windows.append(_measure(dense, dense, test, run.states, metric="dense", schedule="dense", target=0.0,
-                            frac_heads_removed=0.0))
-    lap("one_shot")
-    parts, rounds, final_sets = _iterative_part(run, p, keep)
-    windows += parts
-    lap("iterative")
-    top = max(1, round(max(p.fractions) * ad.n_layers))
-    alphas = search_alphas(dense, calib, list(range(ad.n_layers - top, ad.n_layers)))
-    windows += harp_points(dense, alphas, p.fractions, test, run.states)
-    lap("harp")
-    total = ad.n_layers * ad.n_heads
-    for frac in p.savings_fractions:
-        heads = choose_heads(keep["taylor"], ad, round(frac * total))
-        final_sets.setdefault(f"taylor one-shot, {count_heads(heads) / total:.0%} heads", (count_heads(heads) / total,
-                                                                                           heads))
-    savings, check = savings_table(run, final_sets, alphas, p)
-    lap("savings")
-    return {"scores": scores_table(raw, name), "pairs": pairs.assign(model=name), "sensitivity": sensitivity,
+def head_importance_graph(p: HeadImportanceParams) -> tuple[Graph, list[dict]]:
+    """The study's steps for every model, and each model's step ids by role."""
+    p.check()
+    graph = Graph()
+    return graph, [_declare_model(graph, p, name) for name in p.models]
+
+
+def _model_tables(ids: dict, out: Outcome) -> dict:
+    name, res = ids["name"], out.results
+    scores, iterative, harp, savings = (res[ids["scores"]], [res[i] for i in ids["iterative"]], res[ids["harp"]],
+                                        res[ids["savings"]])
+    windows = res[ids["one_shot"]] + [w for it in iterative for w in it["windows"]] + harp["windows"]
+    made = {role: out.provenance[ids[role]].get("seconds", 0.0)
+            for role in ("scores", "sensitivity", "one_shot", "harp", "savings")}
+    made["iterative"] = sum(out.provenance[i].get("seconds", 0.0) for i in ids["iterative"])
+    return {"scores": scores_table(scores["raw"], name), "pairs": scores["pairs"].assign(model=name),
+            "sensitivity": res[ids["sensitivity"]].assign(model=name),
             "windows": pd.concat(windows, ignore_index=True).assign(model=name),
-            "rounds": pd.DataFrame(rounds), "savings": savings.assign(model=name),
-            "bound": dict(model=name, **half_heads_bound(dense.config, p.savings_len)),
-            "alphas": pd.DataFrame([dict(model=name, layer=i, alpha=a) for i, a in alphas.items()]),
-            "check": dict(model=name, **check), "info": model_info(dense),
-            "seconds": dict(model=name, seconds=time.perf_counter() - start, **seconds)}
+            "rounds": pd.DataFrame([r for it in iterative for r in it["rounds"]]),
+            "savings": savings["savings"].assign(model=name), "bound": dict(model=name, **savings["bound"]),
+            "alphas": pd.DataFrame([dict(model=name, layer=i, alpha=a) for i, a in harp["alphas"].items()]),
+            "check": dict(model=name, **savings["check"]), "info": savings["info"],
+            "seconds": dict(model=name, seconds=sum(made.values()), **made)}
 
 
 def head_importance_study(p: HeadImportanceParams) -> dict:
     """Everything notebook 07 shows, for each model; tables concatenated over models. The sensitivity profile uses
-    the first N_SENS test windows (it runs 3 configurations per layer).
+    the first N_SENS test windows (it runs 3 configurations per layer). A graph of stored steps per model (see
+    `head_importance_graph`), run inline where the runner has not run them already.
 
     Returns:
         dict: scores (model, metric, layer, head, score), pairs, sensitivity, windows (per test window of every
         pruned configuration: metric, schedule, target, frac_heads_removed, kl, nll), rounds (the iterative log),
-        savings, bounds, alphas, checks, infos, seconds.
+        savings, bounds, alphas, checks, infos, seconds (compute seconds per model and part).
     """
-    p.check()
-    parts = [_model_part(name, p) for name in p.models]
+    graph, models = head_importance_graph(p)
+    out = run_steps(graph, reuse=False)
+    parts = [_model_tables(ids, out) for ids in models]
 
     def cat(key):
         return pd.concat([part[key] for part in parts], ignore_index=True)
