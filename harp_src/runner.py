@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         print(plan_text(graph, workers, recorded_whole(whole, args.profile), recorded=args.profile == "full"))
         return 0
     os.environ.setdefault(RUN_ENV, uuid.uuid4().hex[:12])  # the notebooks reuse what this run's steps stored
+    print(f"[run] {RUN_ENV}={os.environ[RUN_ENV]}: run again with it set to reuse every step this run stored",
+          flush=True)
     if args.threads:  # the notebooks' kernels inherit it; torch reads it when it starts
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     out_dir = ROOT / ".runs" / args.profile

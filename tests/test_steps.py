@@ -140,6 +140,23 @@ def test_plan_counts_stored_seconds_and_estimates_the_rest(store):
     assert costed[extra].seconds == pytest.approx(4.0 * rate)
 
 
+def test_plan_scales_estimates_to_the_last_full_run(store):
+    """With nothing stored, each model's 06 steps add up to its recorded full-run seconds, its timing steps to the
+    recorded timing part; 03 (no per-model record) adds up to its wall time; other profiles are not scaled."""
+    g, _, _ = runner.study_graphs("full", runner.select(["03", "06"]))
+    costed = plan.cost(g)
+    totals, timing = plan.recorded_seconds("06_baselines"), plan.recorded_timing("06_baselines")
+    assert timing.keys() == totals.keys() == {"smollm2-135m", "gemma3-270m"}
+    for model, total in totals.items():
+        mine = [c for c in costed if c.step.notebook == "06_baselines" and c.step.key["setup"]["model"] == model]
+        assert sum(c.seconds for c in mine) == pytest.approx(total)
+        assert sum(c.seconds for c in mine if c.step.alone) == pytest.approx(timing[model])
+    alpha = [c for c in costed if c.step.notebook == "03_alpha_search"]
+    assert plan.recorded_seconds("03_alpha_search") == {}
+    assert sum(c.seconds for c in alpha) == pytest.approx(plan.notebook_seconds()["03_alpha_search"])
+    assert {c.source for c in plan.cost(g, recorded=False)} == {"size"}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "0"], "--workers must be at least 1"),
     (["--threads", "0"], "--threads must be at least 1"),

@@ -4,8 +4,9 @@ workers by list scheduling (`python -m harp_src.runner --plan`).
 A step's seconds are its stored compute seconds where it ran (whoever ran it), else an estimate from its size:
 its declared size times the median seconds per unit of size of the stored steps of the same function. Under the full
 profile the estimates are scaled so that a model's steps add up to that model's compute seconds recorded by the last
-full run (figures/NN_metrics.json) where the study recorded them, else a notebook's steps to its last full run's
-wall time (figures/notebook_minutes.csv, the README's table). A worker is one node like the one the seconds were
+full run (figures/NN_metrics.json) where the study recorded them (its timing steps to its timing part where one
+was recorded), else a notebook's steps to its last full run's wall time (figures/notebook_minutes.csv, the README's
+table). A worker is one node like the one the seconds were
 measured on (a step at a time, with all its CPUs), so a timing step is alone on its node by construction.
 """
 
@@ -79,6 +80,19 @@ def recorded_seconds(notebook: str) -> dict[str, float]:
     return out
 
 
+def recorded_timing(notebook: str) -> dict[str, float]:
+    """{model: compute seconds} of a study's timing part in its last full run (06 records one), {} where none: the
+    timing steps (those that run alone) are scaled to it, the other steps to the rest."""
+    path = ROOT / "figures" / f"{notebook}_metrics.json"
+    out = {}
+    for entry in json.loads(path.read_text()).get("models", []) if path.exists() else []:
+        part = entry.get("timing_part")
+        if isinstance(part, dict) and "model_id" in entry:
+            steps = part.get("steps")
+            out[entry["model_id"]] = steps["compute_seconds"] if isinstance(steps, dict) else part.get("seconds", 0.0)
+    return {k: v for k, v in out.items() if v}
+
+
 def notebook_seconds() -> dict[str, float]:
     """{notebook: wall seconds} of each notebook's last full run (figures/notebook_minutes.csv); {} without it."""
     path = ROOT / "figures" / "notebook_minutes.csv"
@@ -114,15 +128,27 @@ def _scale_to_recorded(costed: list[Costed]) -> None:
     for nb in [nb for nb, per_model in totals.items() if not per_model and nb in walls]:
         totals[nb] = {None: walls[nb]}
         groups[(nb, None)] = [c for (n, _), members in list(groups.items()) if n == nb for c in members]
+    timing = {nb: recorded_timing(nb) for nb in totals}
     for (nb, model), members in groups.items():
-        target = totals[nb].get(model)
-        estimated = [c for c in members if c.source == "size"]
-        if not target or not estimated:
+        target, timed = totals[nb].get(model), timing[nb].get(model)
+        if not target:
             continue
-        known = sum(c.seconds for c in members if c.source != "size")
-        factor = max(target - known, 0.0) / max(sum(c.seconds for c in estimated), 1e-9)
-        for c in estimated:
-            c.seconds, c.source = c.seconds * factor, "recorded"
+        if timed and timed < target:
+            _scale([c for c in members if c.step.alone], timed)
+            _scale([c for c in members if not c.step.alone], target - timed)
+        else:
+            _scale(members, target)
+
+
+def _scale(members: list[Costed], target: float) -> None:
+    """Scale the estimated ones of `members` so that all of them add up to `target` seconds."""
+    estimated = [c for c in members if c.source == "size"]
+    if not estimated:
+        return
+    known = sum(c.seconds for c in members if c.source != "size")
+    factor = max(target - known, 0.0) / max(sum(c.seconds for c in estimated), 1e-9)
+    for c in estimated:
+        c.seconds, c.source = c.seconds * factor, "recorded"
 
 
 def critical_path(costed: list[Costed]) -> tuple[float, list[Costed]]:
