@@ -157,3 +157,21 @@ class StudyParams:
         namespace: dict = {}
         exec(parameters_source(cls.NOTEBOOK), {}, namespace)  # the cell is literal assignments (parameter_spec)
         return cls.from_values({**namespace, **overrides})
+
+
+class OneWindowLength:
+    """For a study whose windows are all SEQ_LEN tokens long and whose test windows number N_TEST: its windows under
+    the names every step's setup uses (`compare.points.setup_of`: calib_len, n_eval, eval_len), so they keep one name
+    from the study to the pruner. Mixed in before `StudyParams`; a study with another test count overrides n_eval."""
+
+    @property
+    def calib_len(self) -> int:
+        return self.seq_len
+
+    @property
+    def n_eval(self) -> int:
+        return self.n_test
+
+    @property
+    def eval_len(self) -> int:
+        return self.seq_len

@@ -24,7 +24,7 @@ from ..method.search import GRID, bootstrap_counts, closed_form_alphas, refine_a
 from ..model.adapter import fingerprint
 from ..model.loading import model_info
 from ..model.paper import LLAMA31_8B, official_llama31_8b_alphas
-from ..report.params import StudyParams
+from ..report.params import OneWindowLength, StudyParams
 from ..steps import context
 from ..steps.executors import Outcome, run_steps
 from ..steps.graph import Graph
@@ -33,7 +33,7 @@ SEARCHED, CLOSED_FORM, REFINED = "HARP, searched α", "HARP, closed-form α*", "
 
 
 @dataclass(frozen=True)
-class AlphaSearchParams(StudyParams):
+class AlphaSearchParams(OneWindowLength, StudyParams):
     """Notebook 03's parameters: the search and its evaluation (N_CALIB … REFINE_SWEEPS), and the calibration-size
     study (CAL_*: sizes of the disjoint samples, how many, the bootstrapped sample, resamples, test windows)."""
 
@@ -54,20 +54,6 @@ class AlphaSearchParams(StudyParams):
     seed: int
     dtype: str
     device: str
-
-    # the windows under the names every step's setup uses (`compare.points.setup_of`): the search's calibration
-    # windows and the ablation's test windows, all SEQ_LEN tokens long
-    @property
-    def calib_len(self) -> int:
-        return self.seq_len
-
-    @property
-    def n_eval(self) -> int:
-        return self.n_test
-
-    @property
-    def eval_len(self) -> int:
-        return self.seq_len
 
 
 def _timed(timing: list, name: str, method: str, fn, *args, **kwargs):

@@ -25,7 +25,7 @@ from ..method.layers import parse_layers, quarter_depth
 from ..method.search import search_alphas
 from ..model.adapter import fingerprint
 from ..model.loading import model_info
-from ..report.params import StudyParams
+from ..report.params import OneWindowLength, StudyParams
 from ..steps import context
 from ..steps.executors import Outcome, run_steps
 from ..steps.graph import Graph
@@ -40,7 +40,7 @@ TASK_BATCH = 8  # lm-eval requests per forward
 
 
 @dataclass(frozen=True)
-class EvaluationParams(StudyParams):
+class EvaluationParams(OneWindowLength, StudyParams):
     """Notebook 08's parameters: the models, tasks and their sizes, the α search, fidelity windows, and the
     synthetic long-context items (LC_*)."""
 
@@ -62,19 +62,10 @@ class EvaluationParams(StudyParams):
     dtype: str
     device: str
 
-    # the windows under the names every step's setup uses (`compare.points.setup_of`): the search's N_CALIB and the
-    # N_FIDELITY test windows per corpus, all SEQ_LEN tokens long
-    @property
-    def calib_len(self) -> int:
-        return self.seq_len
-
     @property
     def n_eval(self) -> int:
+        """The fidelity windows per corpus are the test windows of every step's setup."""
         return self.n_fidelity
-
-    @property
-    def eval_len(self) -> int:
-        return self.seq_len
 
 
 def method_alphas(model, tok, n_layers: int, n_calib: int, seq_len: int, seed: int) -> dict[str, dict | None]:

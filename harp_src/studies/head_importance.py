@@ -36,7 +36,7 @@ from ..method.harp import harp_applied
 from ..method.search import search_alphas
 from ..model.adapter import get_adapter
 from ..model.loading import model_info
-from ..report.params import StudyParams
+from ..report.params import OneWindowLength, StudyParams
 from ..steps import context
 from ..steps.executors import Outcome, run_steps
 from ..steps.graph import Graph
@@ -46,7 +46,7 @@ MIN_WINDOWS = 10  # fewer paired windows than this: an interval is reported but 
 
 
 @dataclass(frozen=True)
-class HeadImportanceParams(StudyParams):
+class HeadImportanceParams(OneWindowLength, StudyParams):
     """Notebook 07's parameters: windows for scoring (N_CALIB), fine-tuning (N_FT), testing (N_TEST, the first N_SENS
     for the sensitivity profile); the prune curves' fractions; the iterative loop (TARGET, STEP, metrics, LoRA steps
     and rate); the sensitivity α grid; and the savings measured on really sliced models."""
@@ -90,20 +90,6 @@ class HeadImportanceParams(StudyParams):
         if not 1 <= self.n_sens <= self.n_test:
             raise ValueError(f"N_SENS (the sensitivity profile's test windows) must be in 1..N_TEST={self.n_test}, "
                              f"got {self.n_sens}")
-
-    # the windows under the names every step's setup uses (`compare.points.setup_of`): N_CALIB scoring windows and
-    # N_TEST test windows, all SEQ_LEN tokens long
-    @property
-    def calib_len(self) -> int:
-        return self.seq_len
-
-    @property
-    def n_eval(self) -> int:
-        return self.n_test
-
-    @property
-    def eval_len(self) -> int:
-        return self.seq_len
 
 
 @dataclass
