@@ -31,7 +31,7 @@ from .measure.flops import search_flops
 from .measure.search_bench import benchmark_search
 from .measure.timing import check_threads, compare, harp_copy
 from .method.accounting import param_report
-from .method.harp import HarpPlan, apply_harp, check_bypass, check_kv_kept
+from .method.harp import HarpPlan, apply_harp, check_bypass, check_keep_for, check_kv_kept
 from .method.layers import check_layers, parse_layer_key
 from .method.search import GRID, search_alphas
 from .model.adapter import fingerprint, get_adapter
@@ -56,6 +56,22 @@ def parse_alphas(text: str) -> float | dict[int, float]:
         return out
     except ValueError as err:
         raise ValueError(f"--alphas {text!r}: {err}; write one α (0.5) or layer=α pairs (22=0.5,23=0.3)") from None
+
+
+def parse_keep_heads(items: list[str] | None) -> dict[int, list[int]]:
+    """--keep-heads 22:3,4,5 23:1 -> {22: [3, 4, 5], 23: [1]}: the query heads each bypassed layer keeps."""
+    out: dict[int, list[int]] = {}
+    for item in items or []:
+        try:
+            key, _, heads = item.partition(":")
+            layer = parse_layer_key(key.strip())
+            if layer in out or not heads.strip():
+                raise ValueError("each layer once, with at least one head")
+            out[layer] = [parse_layer_key(h.strip()) for h in heads.split(",")]
+        except ValueError as err:
+            raise ValueError(f"--keep-heads {item!r}: {err}; write LAYER:HEAD,HEAD per layer, such as "
+                             "--keep-heads 22:3,4,5 23:1") from None
+    return out
 
 
 def check_plan_target(path: str | None) -> None:
@@ -102,16 +118,17 @@ def _ppl(model, tok, args) -> float:
 
 
 def cmd_prune(args) -> dict:
-    alphas = parse_alphas(args.alphas)
+    alphas, keep = parse_alphas(args.alphas), parse_keep_heads(args.keep_heads)
     check_bypass(args.bypass)
     check_plan_target(args.out)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     layers = check_layers(get_adapter(model), args.layers)
     check_kv_kept(get_adapter(model), layers, args.bypass)
+    keep = check_keep_for(get_adapter(model), layers, keep, args.bypass)
     out = {"model": model_info(model), "layers": layers}
     if args.ppl:
         out["ppl_before"] = _ppl(model, tok, args)
-    plan = apply_harp(model, layers, alphas, fold=not args.no_fold, bypass=args.bypass,
+    plan = apply_harp(model, layers, alphas, fold=not args.no_fold, bypass=args.bypass, keep_heads=keep,
                       meta={"source": "cli prune", "model_id": model.harp_source["model_id"]})
     out |= {"alphas": plan.alphas, **param_report(model.config, plan)}
     if args.ppl:
@@ -150,15 +167,17 @@ def parse_grid(text: str | None) -> tuple[float, ...]:
 
 
 def cmd_search(args) -> dict:
-    grid = parse_grid(args.grid)
+    grid, keep = parse_grid(args.grid), parse_keep_heads(args.keep_heads)
     check_bypass(args.bypass)
-    if args.compare_naive and args.bypass != "identity":
-        raise ValueError("--compare-naive benchmarks the identity bypass's search; drop --bypass or --compare-naive")
+    if args.compare_naive and (args.bypass != "identity" or keep):
+        raise ValueError("--compare-naive benchmarks HARP's own search (identity bypass, no kept heads); drop "
+                         "--bypass / --keep-heads or --compare-naive")
     check_threads(args.threads)
     check_plan_target(args.out)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     layers = check_layers(get_adapter(model), args.layers)
     check_kv_kept(get_adapter(model), layers, args.bypass)
+    keep = check_keep_for(get_adapter(model), layers, keep, args.bypass)
     calib = ppl_windows(tok, args.corpus, "train", args.n_windows, args.seq_len, args.seed)
     out = {"model": model_info(model), "layers": layers, "calib": f"{args.corpus}/train", "n_windows": args.n_windows,
            "seq_len": args.seq_len, "seed": args.seed}
@@ -172,13 +191,13 @@ def cmd_search(args) -> dict:
         history = []
         start = time.perf_counter()
         alphas = search_alphas(model, calib, layers, grid, batch_size=args.batch_size, history=history,
-                               bypass=args.bypass)
+                               bypass=args.bypass, keep_heads=keep)
         out["search_s"] = time.perf_counter() - start
     out |= {"alphas": alphas, "calib_ppl": {f"{r['layer']}@{r['alpha']:g}": round(r["calib_ppl"], 4) for r in history}}
     plan = HarpPlan(fingerprint(model.config), alphas,
                     meta={"source": "greedy α search", "model_id": model.harp_source["model_id"],
                           "calib": f"{args.corpus}/train {args.n_windows}x{args.seq_len} seed {args.seed}",
-                          "grid": list(grid)}, bypass=args.bypass)
+                          "grid": list(grid)}, bypass=args.bypass, keep_heads=keep)
     if args.out:
         plan.to_json(args.out)
         out["plan"] = args.out
@@ -262,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--alphas", default="1.0", help="one α for all layers, or 22=0.5,23=0.3")
     prune.add_argument("--no-fold", action="store_true", help="keep the repeat and α outside the weights")
     prune.add_argument("--bypass", default="identity", help="identity (HARP) or mean (the causal-mean bypass)")
+    prune.add_argument("--keep-heads", nargs="+", metavar="LAYER:HEADS",
+                       help="query heads a bypassed layer keeps, e.g. 22:3,4,5 23:1 (identity bypass)")
     prune.add_argument("--ppl", action="store_true", help="also measure test PPL before and after")
     prune.add_argument("--out", help="write the plan (JSON) here")
     prune.add_argument("--save", help="write the pruned model here as a checkpoint (from_pretrained loads it); "
@@ -274,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--layers", required=True, help="top:N, bottom:N, a-b or a,b,c (0-based)")
     search.add_argument("--grid", help="comma-separated α values (default 0.0,0.1,...,1.0)")
     search.add_argument("--bypass", default="identity", help="identity (HARP) or mean (the causal-mean bypass)")
+    search.add_argument("--keep-heads", nargs="+", metavar="LAYER:HEADS",
+                        help="query heads a searched layer keeps, e.g. 22:3,4,5 23:1; α scales only the others")
     search.add_argument("--compare-naive", action="store_true",
                         help="benchmark: cached and naive candidate evaluations interleaved (A B, B A); "
                              "times, ratio, FLOP ratio, same_alphas")

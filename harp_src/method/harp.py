@@ -25,11 +25,12 @@ from torch import nn
 
 from ..model.adapter import Adapter, check_fingerprint, fingerprint, get_adapter, mark_kv_free, text_config
 from ..model.modeling_harp import MIXINGS, BypassAttention, DroppedAttention, kind_of, mark_pruned
+from ..model.modeling_harp_keep import keep_heads_attention
 from ..report.files import check_object, read_json, write_text
 from .layers import check_layers, is_integer, is_number, parse_layer_key
 
 # ---------------------------------------------------------------------------------------------- the plan
-PLAN_KEYS = ("fingerprint", "alphas", "fold", "meta", "bypass")
+PLAN_KEYS = ("fingerprint", "alphas", "fold", "meta", "bypass", "keep_heads")
 PLAN_MAX_BYTES = 1 << 20  # a plan of a 100-layer model with its provenance is a few kB
 
 
@@ -52,13 +53,36 @@ def check_alpha_map(alphas) -> dict[int, float]:
     return {int(k): check_alpha(k, v) for k, v in sorted(alphas.items())}
 
 
+def check_keep_heads(keep, alphas: dict[int, float]) -> dict[int, list[int]]:
+    """{layer: [query head, ...]} validated against the plan's layers: a mapping, each layer one the plan bypasses,
+    each list of distinct head indices >= 0 (sorted on return; layers with an empty list are left out). Whether the
+    heads exist is checked against a model (`apply_harp`)."""
+    if keep is None:
+        return {}
+    if not isinstance(keep, dict):
+        raise ValueError(f"keep_heads must be a {{layer: [query head, ...]}} mapping, got {type(keep).__name__}")
+    out = {}
+    for layer, heads in keep.items():
+        if not is_integer(layer) or layer not in alphas:
+            raise ValueError(f"keep_heads names layer {layer!r}, which the plan does not bypass (it bypasses "
+                             f"{sorted(alphas)}): keep heads only in bypassed layers")
+        if not isinstance(heads, (list, tuple)) or not all(is_integer(h) and h >= 0 for h in heads):
+            raise ValueError(f"keep_heads of layer {layer} must be a list of query head indices, got {heads!r}")
+        if len(set(heads)) != len(heads):
+            raise ValueError(f"keep_heads of layer {layer} lists a head twice: {list(heads)}")
+        if heads:
+            out[int(layer)] = sorted(int(h) for h in heads)
+    return dict(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class HarpPlan:
     """Which layers are pruned with which α, for which model; reproducible from the base weights.
 
     Checked on construction: `fingerprint` names every field of `model.adapter.fingerprint`, `alphas` is a non-empty
     {layer: α in [0, 1]} dict, `fold` a bool, `meta` a dict, `bypass` one of `MIXINGS` (a plan written before the
-    mean bypass existed has none and is the identity). Whether the layers exist is checked against a model
+    mean bypass existed has none and is the identity), `keep_heads` the query heads each bypassed layer keeps
+    (`check_keep_heads`; a plan without it keeps none). Whether the layers and heads exist is checked against a model
     (`apply`, `param_report`).
     """
 
@@ -67,6 +91,7 @@ class HarpPlan:
     fold: bool = True
     meta: dict = field(default_factory=dict)
     bypass: str = "identity"
+    keep_heads: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self):
         check_fingerprint(self.fingerprint)
@@ -76,6 +101,10 @@ class HarpPlan:
         if not isinstance(self.meta, dict):
             raise ValueError(f"meta must be a mapping, got {type(self.meta).__name__}")
         check_bypass(self.bypass)
+        object.__setattr__(self, "keep_heads", check_keep_heads(self.keep_heads, self.alphas))
+        if self.keep_heads and self.bypass != "identity":
+            raise ValueError(f"keeping heads is built for the identity bypass, not {self.bypass!r}: a layer that "
+                             "keeps heads has a K/V cache slot, which cannot also hold the mean's running sums")
 
     @property
     def layers(self) -> list[int]:
@@ -88,16 +117,21 @@ class HarpPlan:
         if found != self.fingerprint:
             diff = {k: (self.fingerprint.get(k), found.get(k)) for k in found if self.fingerprint.get(k) != found[k]}
             raise ValueError(f"this plan was made for another model: (plan, model) differ in {diff}")
-        return apply_harp(model, self.layers, self.alphas, fold=self.fold, meta=self.meta, bypass=self.bypass)
+        return apply_harp(model, self.layers, self.alphas, fold=self.fold, meta=self.meta, bypass=self.bypass,
+                          keep_heads=self.keep_heads)
 
     def to_dict(self) -> dict:
-        return {
+        """The plan as JSON-able data; `keep_heads` only where some layer keeps heads (older readers see no change)."""
+        out = {
             "fingerprint": self.fingerprint,
             "alphas": {str(k): v for k, v in sorted(self.alphas.items())},
             "fold": self.fold,
             "meta": self.meta,
             "bypass": self.bypass,
         }
+        if self.keep_heads:
+            out["keep_heads"] = {str(k): list(v) for k, v in self.keep_heads.items()}
+        return out
 
     def to_json(self, path: str | Path) -> None:
         write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
@@ -110,10 +144,13 @@ class HarpPlan:
         """
         try:
             check_object(d, "a plan", PLAN_KEYS[:2], PLAN_KEYS[2:])
-            alphas = d["alphas"]
+            alphas, keep = d["alphas"], d.get("keep_heads", {})
             if isinstance(alphas, dict):
                 alphas = {parse_layer_key(k): v for k, v in alphas.items()}
-            return cls(d["fingerprint"], alphas, d.get("fold", True), d.get("meta", {}), d.get("bypass", "identity"))
+            if isinstance(keep, dict):
+                keep = {parse_layer_key(k): v for k, v in keep.items()}
+            return cls(d["fingerprint"], alphas, d.get("fold", True), d.get("meta", {}), d.get("bypass", "identity"),
+                       keep)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
 
@@ -140,6 +177,26 @@ def check_kv_kept(adapter: Adapter, layers: list[int], bypass: str) -> None:
         raise ValueError(f"the mean bypass needs at least one layer that keeps its attention (its K/V cache slot "
                          f"carries the running sums' cache), but pruning layers {sorted(layers)} would leave none of "
                          f"the model's {adapter.n_layers}: keep one layer's attention, or use the identity bypass")
+
+
+def check_heads_exist(adapter: Adapter, keep: dict | None) -> dict | None:
+    """`keep` ({layer: [query head, ...]}), refused if a head index is not one of the model's query heads."""
+    for layer, heads in (keep or {}).items():
+        bad = [h for h in heads if is_integer(h) and not 0 <= h < adapter.n_heads]
+        if bad:
+            raise ValueError(f"keep_heads of layer {layer}: head {bad[0]} is out of range; this model has query "
+                             f"heads 0..{adapter.n_heads - 1} per layer")
+    return keep
+
+
+def check_keep_for(adapter: Adapter, layers: list[int], keep, bypass: str = "identity") -> dict[int, list[int]]:
+    """Kept heads for pruning (or searching) `layers`, checked before anything runs: only in those layers, heads the
+    model has, identity bypass only."""
+    keep = check_keep_heads(keep, dict.fromkeys(layers, 1.0))
+    if keep and bypass != "identity":
+        raise ValueError(f"keeping heads is built for the identity bypass, not {bypass!r}: a layer that keeps heads "
+                         "has a K/V cache slot, which cannot also hold the mean's running sums")
+    return check_heads_exist(adapter, keep)
 
 
 def _check_alphas(layers: list[int], alphas: float | dict[int, float]) -> dict[int, float]:
@@ -188,6 +245,8 @@ def apply_harp(
     fold: bool = True,
     meta: dict | None = None,
     bypass: str = "identity",
+    *,
+    keep_heads: dict[int, list[int]] | None = None,
 ) -> HarpPlan:
     """Turn `model` into a HARP model in place and return the plan that reproduces it.
 
@@ -199,6 +258,9 @@ def apply_harp(
         meta: free-form provenance stored in the plan (e.g. how α was chosen).
         bypass: "identity" (HARP: each token reads its own value) or "mean" (each token reads the mean value of the
             positions up to it; decoding keeps a running sum per layer, no K/V).
+        keep_heads: {layer: [query head, ...]}: in those bypassed layers these heads attend exactly as in the dense
+            model and α scales only the other heads' bypass (`model.modeling_harp_keep`); only their KV groups keep K
+            and a cache. Identity bypass only.
     Returns:
         The HarpPlan; `model.harp_plan` holds the union of all plans applied so far.
     """
@@ -207,7 +269,7 @@ def apply_harp(
     if meta is not None and not isinstance(meta, dict):
         raise ValueError(f"meta must be a mapping, got {type(meta).__name__}")
     plan = HarpPlan(fingerprint(model.config), _check_alphas(layers, alphas), fold, dict(meta or {}),
-                    check_bypass(bypass))
+                    check_bypass(bypass), check_heads_exist(adapter, keep_heads))
     check_kv_kept(adapter, layers, bypass)
     previous = getattr(model, "harp_plan", None)
     for name in ("fold", "bypass"):
@@ -216,11 +278,16 @@ def apply_harp(
             raise ValueError(f"this model's layers {previous.layers} were pruned with {name}={was!r}; prune the "
                              f"others with the same {name}, so one plan describes the model")
     union = plan if previous is None else HarpPlan(
-        plan.fingerprint, {**previous.alphas, **plan.alphas}, fold, {**previous.meta, **plan.meta}, bypass)
+        plan.fingerprint, {**previous.alphas, **plan.alphas}, fold, {**previous.meta, **plan.meta}, bypass,
+        {**previous.keep_heads, **plan.keep_heads})
     # all checks passed: from here on the model changes
     for i in layers:
-        _prune_layer(adapter, i, plan.alphas[i], fold, bypass)
-    mark_kv_free(model, layers)
+        if i in plan.keep_heads:
+            adapter.set_attention(i, keep_heads_attention(adapter.attention(i), plan.keep_heads[i], plan.alphas[i],
+                                                          fold))
+        else:
+            _prune_layer(adapter, i, plan.alphas[i], fold, bypass)
+    mark_kv_free(model, [i for i in layers if i not in plan.keep_heads])
     model.harp_plan = union
     mark_pruned(model)  # model.save_pretrained now writes a pruned checkpoint
     return plan
@@ -228,9 +295,11 @@ def apply_harp(
 
 @contextmanager
 def harp_applied(model: nn.Module, layers: Iterable[int], alphas: float | dict[int, float], fold: bool = True,
-                 bypass: str = "identity") -> Iterator[HarpPlan | None]:
+                 bypass: str = "identity", *, keep_heads: dict[int, list[int]] | None = None
+                 ) -> Iterator[HarpPlan | None]:
     """Prune copies of `layers` while inside (none: the model as it is, yielding None); on exit the model is
-    exactly as before: its layers, KV-cache modes, class and plan. Yields the plan `apply_harp` returned."""
+    exactly as before: its layers, KV-cache modes, class and plan. Yields the plan `apply_harp` returned.
+    `keep_heads` may name other layers too; only those of `layers` are kept."""
     layers = sorted(layers)
     if not layers:
         yield None
@@ -242,7 +311,8 @@ def harp_applied(model: nn.Module, layers: Iterable[int], alphas: float | dict[i
     try:
         for i in layers:
             adapter.layers[i] = copy.deepcopy(originals[i])
-        yield apply_harp(model, layers, alphas, fold=fold, bypass=bypass)
+        keep = {i: hs for i, hs in (keep_heads or {}).items() if i in originals}  # a search's map names more layers
+        yield apply_harp(model, layers, alphas, fold=fold, bypass=bypass, keep_heads=keep)
     finally:
         for i, layer in originals.items():
             adapter.layers[i] = layer

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ..eval.perplexity import check_windows, nll_sum
 from ..eval.smoothing import layer_metrics
 from ..model.adapter import get_adapter
-from .harp import check_bypass, check_kv_kept, harp_applied
+from .harp import check_bypass, check_keep_for, check_kv_kept, harp_applied
 from .layers import check_layers
 from .prefix import Boundaries
 
@@ -52,18 +52,19 @@ def check_search(model, calib: torch.Tensor, layers, grid) -> tuple[list[int], t
 
 
 def candidate_ppl(model, calib: torch.Tensor, bounds: Boundaries | None, layer: int, alpha: float,
-                  batch_size: int = 4, *, bypass: str = "identity") -> float:
-    """Calibration perplexity with `layer` bypassed at `alpha` on top of whatever the model already has pruned:
-    from the cached boundary when `bounds` is given (only `layer` and those above it run), else the whole model
-    (the naive reference)."""
-    with harp_applied(model, [layer], {layer: alpha}, bypass=bypass):
+                  batch_size: int = 4, *, bypass: str = "identity", keep_heads: dict | None = None) -> float:
+    """Calibration perplexity with `layer` bypassed at `alpha` (keeping its `keep_heads`, if any) on top of
+    whatever the model already has pruned: from the cached boundary when `bounds` is given (only `layer` and those
+    above it run), else the whole model (the naive reference)."""
+    with harp_applied(model, [layer], {layer: alpha}, bypass=bypass, keep_heads=keep_heads):
         nll, count = bounds.nll_from(layer) if bounds else nll_sum(model, calib, batch_size, progress=False)
     return math.exp(nll / count)
 
 
-def candidate_window_nll(bounds: Boundaries, layer: int, alpha: float, bypass: str = "identity") -> torch.Tensor:
+def candidate_window_nll(bounds: Boundaries, layer: int, alpha: float, bypass: str = "identity", *,
+                         keep_heads: dict | None = None) -> torch.Tensor:
     """Summed NLL per calibration window [n_windows] with `layer` bypassed at `alpha` (cached boundary)."""
-    with harp_applied(bounds.model, [layer], {layer: alpha}, bypass=bypass):
+    with harp_applied(bounds.model, [layer], {layer: alpha}, bypass=bypass, keep_heads=keep_heads):
         return bounds.window_nll_from(layer)
 
 
@@ -73,17 +74,18 @@ def pick(grid: tuple[float, ...], scores: list[float]) -> float:
 
 
 def _layer_scores(model, calib: torch.Tensor, bounds: Boundaries | None, layer: int, grid: tuple[float, ...], *,
-                  bar, batch_size: int, bypass: str) -> tuple[list[float], np.ndarray | None]:
+                  bar, batch_size: int, bypass: str, keep_heads: dict) -> tuple[list[float], np.ndarray | None]:
     """Calibration perplexity of every α of the grid at `layer` (the layers above already pruned): cached from
     `bounds` with per-window NLLs [len(grid), n_windows], or naive (None for the per-window NLLs)."""
     scores, per_window = [], []
     for alpha in grid:
         bar.set_postfix(layer=layer, alpha=alpha)
         if bounds is not None:
-            per_window.append(candidate_window_nll(bounds, layer, alpha, bypass))
+            per_window.append(candidate_window_nll(bounds, layer, alpha, bypass, keep_heads=keep_heads))
             scores.append(math.exp(float(per_window[-1].sum()) / (len(calib) * bounds.n_predicted)))
         else:
-            scores.append(candidate_ppl(model, calib, None, layer, alpha, batch_size, bypass=bypass))
+            scores.append(candidate_ppl(model, calib, None, layer, alpha, batch_size, bypass=bypass,
+                                        keep_heads=keep_heads))
         bar.update()
     return scores, torch.stack(per_window).numpy() if per_window else None
 
@@ -100,6 +102,7 @@ def search_alphas(
     memo: dict | None = None,
     window_nll: dict | None = None,
     bypass: str = "identity",
+    keep_heads: dict[int, list[int]] | None = None,
 ) -> dict[int, float]:
     """Greedy top-down α search minimising calibration perplexity; the model is left unchanged.
 
@@ -115,6 +118,7 @@ def search_alphas(
         window_nll: if a dict is given, {layer: array [len(grid), n_windows]} of every candidate's summed NLL per
             calibration window (grid ascending), for `resample_search`; needs cache_prefix.
         bypass: the bypass searched for: "identity" (HARP) or "mean" (the causal-mean extension).
+        keep_heads: {layer: [query head, ...]} the searched layers keep (`apply_harp`); α scales the others only.
     Returns:
         {layer: α}
     """
@@ -122,20 +126,21 @@ def search_alphas(
         raise ValueError("per-window NLLs are recorded by the cached search: use cache_prefix=True")
     order, grid = check_search(model, calib, layers, grid)
     check_kv_kept(get_adapter(model), order, check_bypass(bypass))  # refused now, not after the search
+    keep = check_keep_for(get_adapter(model), order, keep_heads, bypass)
     memo = {} if memo is None else memo
     bounds = None
     chosen: dict[int, float] = {}
     bar = tqdm(total=len(order) * len(grid), desc="α search")
     for depth, layer in enumerate(order):
-        key = (tuple(order[: depth + 1]), grid, batch_size, cache_prefix, bypass)
+        key = (tuple(order[: depth + 1]), grid, batch_size, cache_prefix, bypass, repr(keep))  # keep: all layers'
         if key in memo:
             bar.update(len(grid))
         else:
             if cache_prefix and bounds is None:
                 bounds = Boundaries(model, calib, batch_size)
-            with harp_applied(model, list(chosen), chosen, bypass=bypass):  # the layers above, once for all
+            with harp_applied(model, list(chosen), chosen, bypass=bypass, keep_heads=keep):  # the layers above
                 memo[key] = _layer_scores(model, calib, bounds if cache_prefix else None, layer, grid, bar=bar,
-                                          batch_size=batch_size, bypass=bypass)
+                                          batch_size=batch_size, bypass=bypass, keep_heads=keep)
         scores, per_window = memo[key]
         chosen[layer] = pick(grid, scores)
         if window_nll is not None:

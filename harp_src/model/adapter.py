@@ -187,8 +187,8 @@ class Adapter:
 
     # ------------------------------------------------------------------ what state a layer is in (one answer each)
     def is_bypassed(self, i: int) -> bool:
-        """Whether layer i's attention is HARP's: the A = I bypass, or dropped (α = 0)."""
-        return kind_of(self.attention(i)) in ("bypass", "dropped")
+        """Whether layer i's attention is HARP's: the A = I bypass, dropped (α = 0), or bypassed but for kept heads."""
+        return kind_of(self.attention(i)) in ("bypass", "dropped", "keep")
 
     def attention_is_dense(self, i: int) -> bool:
         """Whether layer i's attention still has all its heads (nothing sliced, bypassed or dropped)."""

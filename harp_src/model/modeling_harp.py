@@ -31,6 +31,7 @@ from transformers import (
 from transformers.cache_utils import DummyLayer, StaticLayer
 
 from .modeling_harp_checks import FOLDED, FORMAT, MIXINGS, PLAN, STRUCTURE, first_problem, folded_problem
+from .modeling_harp_keep import keep_heads_attention
 
 ATTRIBUTES = ("num_heads", "num_key_value_heads", "num_key_value_groups")  # head counts attention modules read
 
@@ -216,8 +217,8 @@ def _linear(lin: nn.Linear) -> list:
 
 
 def kind_of(module: nn.Module) -> str | None:
-    """"bypass", "dropped", "constant", "scaled" for this file's modules (whichever copy of the file defined them),
-    "identity" for a removed norm, None for an ordinary module."""
+    """"bypass", "dropped", "constant", "scaled", "keep" for this file's modules (whichever copy of the file
+    defined them), "identity" for a removed norm, None for an ordinary module."""
     return "identity" if isinstance(module, nn.Identity) else getattr(module, "harp_kind", None)
 
 
@@ -233,6 +234,9 @@ def _entry(path: str, module: nn.Module) -> dict | None:
                     has_value=module.value is not None)
     if kind == "scaled":
         return dict(path=path, kind=kind, scale=module.scale)
+    if kind == "keep":
+        return dict(path=path, kind=kind, heads=module.heads, alpha=module.alpha, fold=module.fold,
+                    layer_idx=module.layer_idx)
     return None if kind is None else dict(path=path, kind=kind)
 
 
@@ -289,6 +293,8 @@ def _built(entry: dict, current: nn.Module) -> nn.Module:
                         entry["attention"])
     if kind == "scaled":
         return Scaled(current, entry["scale"])
+    if kind == "keep":
+        return keep_heads_attention(current, entry["heads"], entry["alpha"], entry["fold"])
     if kind == "identity":
         return nn.Identity()
     if kind == "linear":
@@ -378,8 +384,9 @@ class _HarpCheckpoint:
             elif not plan:
                 warnings.warn("this model has no pruned module: saving an ordinary dense checkpoint", stacklevel=2)
             directory.mkdir(parents=True, exist_ok=True)  # the extra files first, so a Hub push carries them
-            if structure:  # this file and the checks it imports
-                for source in (Path(__file__), Path(__file__).with_name("modeling_harp_checks.py")):
+            if structure:  # this file and the two it imports
+                for source in (Path(__file__), *(Path(__file__).with_name(f"modeling_harp_{part}.py")
+                                                 for part in ("checks", "keep"))):
                     shutil.copyfile(source, directory / source.name)
             tokenizer = getattr(self, "harp_tokenizer", None)
             if tokenizer is not None:

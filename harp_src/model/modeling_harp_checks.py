@@ -30,10 +30,12 @@ FIELDS = {  # the fields each kind of entry must carry, and their types
     "identity": {},
     "constant": {"hidden": int, "attention": bool, "has_value": bool},
     "scaled": {"scale": NUMBER},
+    "keep": {"heads": list, "alpha": NUMBER, "fold": bool},
     "linear": {"shape": list},
     "attributes": {"values": dict},
 }
-HARP_KINDS = ("bypass", "dropped", "scaled")
+HARP_KINDS = ("bypass", "dropped", "scaled", "keep")
+BYPASSED = ("bypass", "dropped", "keep")  # the kinds an attention takes in a layer the HARP plan prunes
 
 
 def is_number(value) -> bool:
@@ -83,12 +85,29 @@ def entry_problem(entry, layout: Layout) -> str | None:
         return f"{path}: a Linear's shape is not [out, in, has bias] (two whole numbers and true or false)"
     if path not in layout.modules:
         return f"{path}: no module of the dense model of this config has that path"
-    if kind in ("bypass", "dropped") and path not in layout.attention:
+    if kind in BYPASSED and path not in layout.attention:
         return f"{path}: a {kind} attention in place of a module that is not an attention"
     if kind == "constant" and entry["attention"] != (path in layout.attention):
         return f"{path}: its attention flag is {entry['attention']}, but the module is {'not ' * entry['attention']}" \
                "an attention"
+    if kind == "keep":
+        return keep_problem(entry, layout)
     return bypass_problem(entry, layout) if kind == "bypass" else None
+
+
+def keep_problem(entry: dict, layout: Layout) -> str | None:
+    """A kept-heads entry must name distinct query heads of its attention, in order, an α in [0, 1] and its layer."""
+    path, dense, heads = entry["path"], layout.modules[entry["path"]], entry["heads"]
+    n_heads = dense.q_proj.out_features // dense.head_dim
+    if not heads or heads != sorted(set(heads)) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h < n_heads for h in heads):
+        return f"{path}: its kept heads {heads!r} are not distinct ascending query heads of 0..{n_heads - 1}"
+    if not 0 <= entry["alpha"] <= 1:
+        return f"{path}: its alpha is {entry['alpha']!r}, not a number in [0, 1]"
+    if entry.get("layer_idx") != layout.attention[path]:
+        return f"{path}: its layer_idx is {entry.get('layer_idx')!r}, but it is the attention of layer " \
+               f"{layout.attention[path]}"
+    return None
 
 
 def bypass_problem(entry: dict, layout: Layout) -> str | None:
@@ -119,7 +138,7 @@ def bypass_problem(entry: dict, layout: Layout) -> str | None:
 # ---------------------------------------------------------------------------------------------- against the plan
 def harp_problem(structure: list[dict], harp, layout: Layout) -> str | None:
     """The HARP plan and the structure must bypass the same layers, with the same α, mixing and folding."""
-    entries = {layout.attention[e["path"]]: e for e in structure if e["kind"] in ("bypass", "dropped")}
+    entries = {layout.attention[e["path"]]: e for e in structure if e["kind"] in BYPASSED}
     scaled = {layout.layer(e["path"]): e for e in structure if e["kind"] == "scaled"}
     if harp is None:
         first = next(iter(sorted(entries.items()) or scaled.items()), None)
@@ -129,16 +148,23 @@ def harp_problem(structure: list[dict], harp, layout: Layout) -> str | None:
     if not isinstance(alphas, dict) or not all(isinstance(k, str) and k.isdigit() for k in alphas):
         return "its HARP plan has no {layer: α} alphas"
     alphas = {int(k): a for k, a in alphas.items()}
-    bypass, fold = harp.get("bypass", "identity"), harp.get("fold", True)
+    bypass, fold, keep = harp.get("bypass", "identity"), harp.get("fold", True), harp.get("keep_heads") or {}
+    if not isinstance(keep, dict):
+        return "its HARP plan's keep_heads is not a {layer: [query head, ...]} mapping"
+    lost = next((k for k in keep if not isinstance(k, str) or not k.isdigit()
+                 or entries.get(int(k), {}).get("kind") != "keep"), None)
+    if lost is not None:
+        return f"layer {lost}: the plan keeps heads {keep[lost]!r} there, but the structure keeps no head in it"
     for i in sorted(set(alphas) | set(entries)):
         a, e = alphas.get(i), entries.get(i)
         if e is None:
             return f"{layout.of_layer.get(i, f'layer {i}')}: the plan bypasses it (α {a!r}), the structure keeps it"
         if a is None:
             return f"{e['path']}: the structure makes it a {e['kind']} module, the plan leaves layer {i} unpruned"
-        if (a == 0) != (e["kind"] == "dropped"):
+        if e["kind"] != "keep" and (a == 0) != (e["kind"] == "dropped"):
             return f"{e['path']}: its α is {a!r} by the plan, but the structure makes it a {e['kind']} module"
-        problem = bypass_plan_problem(e, a, bypass, fold) if e["kind"] == "bypass" else None
+        problem = bypass_plan_problem(e, a, bypass, fold) if e["kind"] == "bypass" else \
+            keep_plan_problem(e, a, keep.get(str(i)), fold) if e["kind"] == "keep" else None
         if problem:
             return problem
     wrong = next((e for i, e in scaled.items() if e["scale"] != alphas.get(i)), None)
@@ -156,6 +182,17 @@ def bypass_plan_problem(entry: dict, alpha, bypass: str, fold) -> str | None:
         return f"{path}: its mixing is {bypass!r} by the plan but {mixing!r} in the structure"
     if fold and (entry["n_rep"] != 1 or entry.get("scale") is not None):
         return f"{path}: the plan folds α and the KV-head repeat into the weights, the structure does not"
+    return None
+
+
+def keep_plan_problem(entry: dict, alpha, heads, fold) -> str | None:
+    path = entry["path"]
+    if heads != entry["heads"]:
+        said = "no head" if heads is None else f"heads {heads!r}"
+        return f"{path}: the plan keeps {said} in its layer, the structure keeps heads {entry['heads']!r}"
+    if entry["alpha"] != alpha or entry["fold"] != fold:
+        return f"{path}: its alpha and fold are {entry['alpha']!r}, {entry['fold']!r} in the structure but " \
+               f"{alpha!r}, {fold!r} by the plan"
     return None
 
 
