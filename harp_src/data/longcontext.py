@@ -46,13 +46,14 @@ def _ids(tok, text: str) -> list[int]:
 
 
 @lru_cache(maxsize=4)
-def _haystack(tok) -> np.ndarray:
-    """Token ids of the enwiki test split (the α search only sees the train split)."""
-    return np.asarray(_ids(tok, corpus_text("enwiki", "test")), dtype=np.int64)
+def _haystack(tok, split: str = "test") -> np.ndarray:
+    """Token ids of an enwiki split: test for evaluation (the α search only sees the train split); train where the
+    items choose something, such as the heads a pruned model keeps."""
+    return np.asarray(_ids(tok, corpus_text("enwiki", split)), dtype=np.int64)
 
 
-def _chunk(tok, n: int, rng: np.random.Generator) -> list[int]:
-    hay = _haystack(tok)
+def _chunk(tok, n: int, rng: np.random.Generator, split: str = "test") -> list[int]:
+    hay = _haystack(tok, split)
     if n > len(hay):
         raise ValueError(f"asked for {n} haystack tokens; the enwiki test split has {len(hay)}")
     start = int(rng.integers(0, len(hay) - n + 1))
@@ -76,8 +77,9 @@ def _item(tok, task: str, length: int, depth: float, ids: list[int], answers: li
 
 
 def passkey_items(tok, lengths=(1024, 2048, 4096), depths=(0.1, 0.5, 0.9), n_per_cell: int = 1,
-                  seed: int = 0) -> list[dict]:
-    """Passkey retrieval prompts of exactly `length` tokens (BOS included) with the key at relative `depth`.
+                  seed: int = 0, *, split: str = "test") -> list[dict]:
+    """Passkey retrieval prompts of exactly `length` tokens (BOS included) with the key at relative `depth`, hidden
+    in enwiki `split` text (test for evaluation; train to choose heads by them, `heads.retrieval.copy_paste_scores`).
 
     Returns:
         list of dicts: task, length, depth, n_tokens, input_ids, answers (the key as a string), prompt (text).
@@ -91,7 +93,7 @@ def passkey_items(tok, lengths=(1024, 2048, 4096), depths=(0.1, 0.5, 0.9), n_per
                 key = str(int(rng.integers(10000, 100000)))
                 needle = _ids(tok, PASSKEY_NEEDLE.format(key=key))
                 n_hay = int(length) - len(head) - len(needle) - len(tail) - (bos_id(tok) is not None)
-                hay = _chunk(tok, n_hay, rng)
+                hay = _chunk(tok, n_hay, rng, split)
                 cut = round(depth * n_hay)
                 items.append(_item(tok, "passkey", length, depth, head + hay[:cut] + needle + hay[cut:] + tail, [key]))
     return items
