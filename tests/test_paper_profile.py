@@ -26,7 +26,7 @@ LAYERS = {"meta-llama/Llama-3.1-8B": 32, "mistralai/Mistral-7B-v0.3": 32, "Qwen/
 STUDIES = {"01_over_smoothing": "over_smoothing", "02_head_removal": "head_removal", "03_alpha_search": "alpha_search",
            "04_long_context_timing": "long_context_timing", "05_ablations": "ablations", "06_baselines": "frontier",
            "07_head_importance": "head_importance", "08_evaluation": "evaluation", "09_scale": "scale",
-           "10_recovery": "recovery"}
+           "10_recovery": "recovery", "11_retrieval_heads": "retrieval_heads"}
 
 
 def study_params(notebook: str) -> type[StudyParams]:

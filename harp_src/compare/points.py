@@ -32,7 +32,9 @@ from ..steps import context
 from ..steps.graph import Graph, Step
 
 DENSE, HARP, HARP_BI, HARP_MEAN, PAPER = "dense", "harp", "harp-bi", "harp-mean", "paper"
-HARP_KINDS = (HARP, HARP_BI, HARP_MEAN)  # the bypass variants; HARP itself is always measured
+HARP_KEEP, HARP_RANDOM = "harp-keep", "harp-random"  # HARP keeping its top retrieval heads; k random heads (11)
+HARP_KINDS = (HARP, HARP_BI, HARP_MEAN, HARP_KEEP, HARP_RANDOM)  # the bypass variants; HARP is always measured
+KEPT = (HARP_KEEP, HARP_RANDOM)  # their α's come from a search with the kept heads: {"alphas", "keep_heads"}
 BYPASS = {HARP_MEAN: "mean"}  # the bypass of each HARP variant that is not the identity
 FIDELITY = ("kl", "delta_nll", "top1_agreement")  # per enwiki-test window, against dense
 LAMBADA = "lambada_openai"
@@ -99,7 +101,7 @@ def build(dense, recipe: dict, calib, *, share: bool = False):
                            share=share)
     model = sharing_copy(dense) if share else copy.deepcopy(dense)
     apply_harp(model, sorted(recipe["alphas"]), recipe["alphas"], meta={"method": recipe["method"]},
-               bypass=BYPASS.get(recipe["method"], "identity"))
+               bypass=BYPASS.get(recipe["method"], "identity"), keep_heads=recipe.get("keep_heads"))
     return model, None
 
 
@@ -123,7 +125,7 @@ def chosen_rows(rows: list[dict], names: list[str], best: str) -> list[dict]:
 def run_table(name: str, rows: list[dict], speed: dict | None = None) -> pd.DataFrame:
     """One row per point: its cost (budget, parameters removed, weights zeroed) and shape, beside its measured speed
     (`speed`: {shape: speed row}; None when the shapes are timed later, see `with_speeds`)."""
-    return pd.DataFrame([{k: v for k, v in r.items() if k not in ("record", "alphas")}
+    return pd.DataFrame([{k: v for k, v in r.items() if k not in ("record", "alphas", "keep_heads")}
                          | ({} if speed is None else speed[r["shape"]]) for r in rows]).assign(model=name)
 
 
@@ -146,7 +148,8 @@ def rebuild(dense, row: dict):
     if row["record"] is not None:
         return shared_copy(dense, row["record"])
     model = sharing_copy(dense)
-    apply_harp(model, sorted(row["alphas"]), row["alphas"], bypass=BYPASS.get(row["method"], "identity"))
+    apply_harp(model, sorted(row["alphas"]), row["alphas"], bypass=BYPASS.get(row["method"], "identity"),
+               keep_heads=row.get("keep_heads"))
     return model
 
 
@@ -292,19 +295,25 @@ def top(alphas: dict, n: int, num_layers: int) -> dict:
 
 
 def recipe_of(key: dict, inputs: dict, config) -> dict:
-    """A point step's full recipe: its budget (HARP's real drop at its level, or the paper's Q + K at `paper`) and a
-    HARP variant's α's."""
+    """A point step's full recipe: its budget (HARP's real drop at its level, the paper's Q + K at `paper`, or the
+    parameters of m whole attention sub-layers at {"attention_layers": m}) and a HARP variant's α's (and kept
+    heads)."""
     r, L = dict(key["recipe"]), fingerprint(config)["num_layers"]
-    n = r["n_layers"]
+    n, budget = r["n_layers"], r.pop("budget")
     drops = real_drops(config, {n: top(inputs["plan"], n, L)}, [n], n)
-    budget = drops[PAPER] if r.pop("budget") == PAPER else drops[n]
-    r["budget"] = budget
+    if isinstance(budget, dict):  # what dropping the top m attention sub-layers removes (α = 0), norms included
+        dropped = HarpPlan(fingerprint(config), dict.fromkeys(range(L - budget["attention_layers"], L), 0.0))
+        r["budget"] = param_report(config, dropped)["params_removed"]
+    else:
+        r["budget"] = drops[PAPER] if budget == PAPER else drops[n]
     if r["method"] == HARP:
         r["alphas"] = top(inputs["plan"], n, L)
     elif r["method"] == HARP_MEAN:
         r["alphas"] = top(inputs["alphas"], n, L)
     elif r["method"] == HARP_BI:
         r["alphas"] = inputs["alphas"]
+    elif r["method"] in KEPT:
+        r["alphas"], r["keep_heads"] = inputs["alphas"]["alphas"], inputs["alphas"]["keep_heads"]
     return r
 
 
@@ -331,7 +340,7 @@ def point_step(key: dict, inputs: dict) -> tuple[dict, pd.DataFrame, list]:
     row = {k: recipe[k] for k in ("method", "scope", "level", "n_layers")} | {
         "budget_params": recipe["budget"], "params_removed": n_params(dense) - n_params(model),
         "weights_zeroed": 0 if record is None else record.weights_zeroed, "shape": shape_key(model, record),
-        "record": record, "alphas": recipe.get("alphas")}
+        "record": record, "alphas": recipe.get("alphas"), "keep_heads": recipe.get("keep_heads")}
     return row, fid.assign(method=recipe["method"], scope=recipe["scope"], level=recipe["level"]), found
 
 
