@@ -17,7 +17,7 @@ from conftest import make_tiny
 from harp_src import HarpPlan, apply_harp, load_model, param_report
 from harp_src.__main__ import main
 from harp_src.checkpoints import save_checkpoint
-from harp_src.measure.kv import kv_bytes_per_layer, prompt_kv_bytes
+from harp_src.measure.kv import kv_bytes_at, kv_bytes_per_layer, prompt_kv_bytes
 from harp_src.method.harp import harp_applied
 from harp_src.method.search import search_alphas
 from harp_src.model.adapter import get_adapter
@@ -303,3 +303,11 @@ def test_smollm2_keeping_heads_is_exact():
     ad = get_adapter(dense)
     per_layer = [2 * 2 * 13 * g * ad.head_dim * 4 for g in [3] * 22 + [1, 1, 2] + [0] * 5]
     assert kv_bytes_per_layer(step.past_key_values) == per_layer
+
+
+def test_kv_bytes_at_a_length_equal_what_a_prefill_of_it_caches(family):
+    """`kv_bytes_at` (notebook 11's KV bytes per token) from a 4-token probe equals the cache of a real prefill,
+    sliding-window layers (Gemma: a window of 8) included, with kept heads, bypassed and dense layers."""
+    model = make_tiny(family)
+    apply_harp(model, [1, 3], ALPHAS, keep_heads={1: [0, 3]})
+    assert [kv_bytes_at(model, t) for t in (5, 7, 8, 20)] == [prompt_kv_bytes(model, t) for t in (5, 7, 8, 20)]

@@ -212,7 +212,7 @@ def _alpha_search_study(p) -> dict:
 
 @pytest.mark.slow
 def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
-    """Every study declared as a graph (03, 06, 07, 08, 09, 10) at sizes smaller than quick: their steps on a local
+    """Every study declared as a graph (03, 06, 07, 08, 09, 10, 11) at sizes smaller than quick: their steps on a local
     Ray cluster of 2 workers (the runner's pre-pass), then the studies read them stored; every table's CSV equals the
     inline run's byte for byte, but for the timings. Both run one torch thread per step: torch's CPU reductions split
     their sums by thread count, which moves the 7th significant digit (the runner's --threads makes two runs
@@ -225,6 +225,7 @@ def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
     from harp_src.studies.frontier import FrontierParams, frontier_graph, frontier_study
     from harp_src.studies.head_importance import HeadImportanceParams, head_importance_study
     from harp_src.studies.recovery import RecoveryParams, recovery_graph, recovery_study
+    from harp_src.studies.retrieval_heads import RetrievalParams, retrieval_study
     from harp_src.studies.scale import ScaleParams, scale_graph, scale_study
 
     small = dict(N_CALIB=1, CALIB_LEN=64, N_EVAL=2, EVAL_LEN=64, SPEED_LENS=[16, 32], DECODE_STEPS=1)
@@ -246,6 +247,9 @@ def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
         (EvaluationParams.defaults(TASKS=["lambada_openai"], LIMIT=1, LIMIT_OTHERS=1, N_CALIB=1, SEQ_LEN=32,
                                    N_LAYERS=2, N_FIDELITY=1, LC_LENGTHS=[128], LC_DEPTHS=[0.5]),
          declared["08_evaluation"][1], evaluation_study),
+        (RetrievalParams.defaults(TASKS=[], LC_LENGTHS=[64], LC_ITEMS=1, SCORE_SEQS=1, SCORE_LEN=4, COPY_ITEMS=1,
+                                  COPY_LEN=64, KEEP_FRACTIONS=[0.05], N_LAYERS=2, **small),
+         declared["11_retrieval_heads"][1], retrieval_study),
     ]
     before = torch.get_num_threads()
     torch.set_num_threads(1)

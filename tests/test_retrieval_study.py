@@ -1,0 +1,97 @@
+"""Notebook 11's own logic (issue 50), on small made-up inputs: which heads are kept, the attention drop that holds
+the same KV bytes, the paired rows of figures/11_retrieval.csv and the agreement of the two scores."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from harp_src.studies.retrieval_heads import (
+    KEEP_LINE,
+    RetrievalParams,
+    choose_heads,
+    k_of,
+    kv_layers_freed,
+    point_names,
+    retrieval_table,
+    score_agreement,
+    share,
+)
+
+
+def scores(n_layers=4, n_heads=4) -> pd.DataFrame:
+    rows = [dict(layer=i, head=h, kv_group=h // 2, retrieval=(i * n_heads + h) / 100, copy_paste=0.0)
+            for i in range(n_layers) for h in range(n_heads)]
+    return pd.DataFrame(rows)
+
+
+def test_the_top_heads_are_the_highest_scores_of_the_pruned_layers_only():
+    s = scores()
+    s.loc[(s.layer == 0) & (s["head"] == 0), "retrieval"] = 9.0  # the best head sits in a layer that is not pruned
+    assert choose_heads(s, [2, 3], 3, "top") == {3: [1, 2, 3]}
+    assert choose_heads(s, [2, 3], 5, "top") == {2: [3], 3: [0, 1, 2, 3]}
+
+
+def test_random_heads_are_seeded_distinct_and_inside_the_pruned_layers():
+    s = scores()
+    a, b = choose_heads(s, [2, 3], 5, "random", seed=1), choose_heads(s, [2, 3], 5, "random", seed=1)
+    assert a == b and sum(len(h) for h in a.values()) == 5 and set(a) <= {2, 3}
+    assert choose_heads(s, [2, 3], 5, "random", seed=2) != a
+    with pytest.raises(ValueError, match="unknown head choice"):
+        choose_heads(s, [2, 3], 1, "best")
+
+
+def test_kept_fractions_and_the_kv_matched_attention_drop():
+    assert [k_of(f, 8, 9) for f in (0.05, 0.1, 0.25)] == [4, 7, 18]  # SmolLM2's top 8 layers, 9 heads each
+    assert k_of(0.01, 4, 4) == 1 and share(0.05) == "5%" and share(0.25) == "25%"
+    # 8 bypassed layers of 3 KV groups (n_rep 3): one group cached in one layer, two in another, 1 layer's worth in all
+    assert kv_layers_freed({22: [3, 4, 5], 23: [6, 0]}, 8, 3, 3) == 7
+    assert kv_layers_freed({22: [0]}, 4, 4, 1) == 3  # MQA: one kept head keeps the whole layer's K/V
+    assert kv_layers_freed({i: [0] for i in range(4)}, 4, 4, 1) == 1  # at least one layer is dropped
+
+
+def test_points_are_named_for_their_line():
+    row = dict(method="harp-keep", scope="5%", level="N=8")
+    assert point_names(row) == ("harp-keep", "harp-keep 5%")
+    assert point_names(dict(method="attn-drop-top", scope="attention", level="KV of harp-keep 5%")) == \
+        (KEEP_LINE, "attn-drop-top, KV of harp-keep 5%")
+    assert point_names(dict(method="flap", scope="mlp", level="N=8")) == ("flap [mlp]", "flap [mlp]")
+
+
+def study() -> dict:
+    """Two items and two windows per point; harp-keep reads both items, HARP and the random control one."""
+    points = ["dense", "harp", "harp-keep 5%", "harp-random 5%"]
+    correct = {"dense": [1, 1], "harp": [0, 1], "harp-keep 5%": [1, 1], "harp-random 5%": [0, 1]}
+    items = pd.DataFrame([dict(model="m", point=p, metric="passkey", unit=u, correct=float(correct[p][u]))
+                          for p in points for u in (0, 1)])
+    windows = pd.DataFrame([dict(model="m", point=p, window=w, kl=0.5 * (p != "dense") + w / 10)
+                            for p in points[1:] for w in (0, 1)])
+    rows = [dict(model="m", line=p.split(" ")[0], point=p, k=4 * ("5%" in p), params_removed=10, kv_bytes_per_token=1.0,
+                 speedup_8k=np.nan, decode_speedup_8k=np.nan) for p in points]
+    return {"points": pd.DataFrame(rows), "items": items, "windows": windows}
+
+
+def test_the_table_pairs_harp_keep_with_harp_and_with_its_random_control():
+    table = retrieval_table(study())
+    plain = table[table.reference == ""].set_index(["method", "metric"])
+    assert plain.loc[("harp-keep 5%", "passkey"), "value"] == 1.0 and plain.loc[("harp", "passkey"), "n"] == 2
+    assert plain.loc[("harp", "kl"), "value"] == pytest.approx(0.55)
+    paired = table[table.reference != ""].set_index(["reference", "metric"])
+    assert paired.loc[("harp", "passkey"), "value"] == pytest.approx(0.5)  # harp-keep − harp on the same prompts
+    assert paired.loc[("harp-random 5%", "passkey"), "value"] == pytest.approx(0.5)
+    assert paired.loc[("harp", "kl"), "value"] == pytest.approx(0.0) and (paired.method == "harp-keep 5%").all()
+    assert list(table.columns[:5]) == ["model", "method", "line", "k", "params_removed"]
+
+
+def test_score_agreement_is_spearman_and_the_shared_top_ten():
+    s = scores().assign(model="m", copy_paste=lambda d: d.retrieval[::-1].to_numpy(), pruned=lambda d: d.layer >= 2)
+    a = score_agreement(s).set_index("heads")
+    assert a.loc["all layers", "spearman"] == pytest.approx(-1.0) and a.loc["all layers", "top10_shared"] == 4
+    assert a.loc["pruned layers", "n"] == 8
+
+
+def test_bad_parameters_are_refused_before_any_model_loads():
+    for bad, message in ((dict(KEEP_FRACTIONS=[0.25, 0.05]), "ascending"), (dict(KEEP_FRACTIONS=[0.0]), "ascending"),
+                         (dict(BASELINES=["nope"]), "unknown method"), (dict(SPEED_LENS=[64]), "SPEED_LENS"),
+                         (dict(LC_ITEMS=0), "LC_ITEMS")):
+        with pytest.raises(ValueError, match=message):
+            RetrievalParams.defaults(**bad).check()
