@@ -1,7 +1,8 @@
 """What a step loads for itself, kept for the next step of the same process: the dense model by name, windows by
 their spec, the dense final states on them. Inline, consecutive steps of one model load it once (as the study did
-before it was steps); a Ray worker forgets it after each step, since the scheduler counts only the running step's
-memory.
+before it was steps). A Ray worker forgets a model after each step (`release`), since the scheduler counts only the
+running step's memory, unless its weights are small (`KEEP_BYTES`): then the next step of the same model on that worker
+skips the load, and an idle worker holds at most that much.
 """
 
 from __future__ import annotations
@@ -13,12 +14,22 @@ from ..eval.fidelity import reference_states
 from ..model.loading import load_pretrained
 
 _HELD: dict = {}
+KEEP_BYTES = 1 << 30  # weights a Ray worker may keep between steps: SmolLM2-135M in fp32 (0.5 GB), not a 1.5B model
 
 
 def forget() -> None:
     """Drop every held model, windows and states."""
     _HELD.clear()
     gc.collect()
+
+
+def release(keep_bytes: int = KEEP_BYTES) -> None:
+    """After a step in a reused worker process: forget everything held unless its one model's weights take at most
+    `keep_bytes` (then the model, its windows and states stay for the next step of that model)."""
+    models = [v[0] for k, v in _HELD.items() if k[0] == "model"]
+    held = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
+    if held > keep_bytes or len(models) != 1:
+        forget()
 
 
 def dense(setup: dict):

@@ -63,7 +63,7 @@ def _remote_body(spec: dict, threads: int, **inputs):
     try:
         return compute(Step(**spec), inputs, threads)
     finally:
-        context.forget()  # a worker process is reused: it must not keep a model the scheduler no longer counts
+        context.release()  # a reused worker keeps no model the scheduler no longer counts, but a small one
 
 
 def check_address(address: str, timeout: float = 5.0) -> None:
