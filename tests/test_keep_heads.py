@@ -222,6 +222,7 @@ def state(model) -> dict:
     ({1: [0, 0]}, "identity", "lists a head twice"),
     ({1: "0"}, "identity", "list of query head indices"),
     ({1: [0]}, "mean", "identity bypass"),
+    ([1, 0], "identity", "mapping"),
 ])
 def test_bad_kept_heads_are_refused_with_the_model_unchanged(keep, bypass, message):
     model = make_tiny("llama")

@@ -53,10 +53,10 @@ def check_alpha_map(alphas) -> dict[int, float]:
     return {int(k): check_alpha(k, v) for k, v in sorted(alphas.items())}
 
 
-def check_keep_heads(keep, alphas: dict[int, float]) -> dict[int, list[int]]:
+def check_keep_heads(keep, alphas: dict[int, float], bypass: str = "identity") -> dict[int, list[int]]:
     """{layer: [query head, ...]} validated against the plan's layers: a mapping, each layer one the plan bypasses,
-    each list of distinct head indices >= 0 (sorted on return; layers with an empty list are left out). Whether the
-    heads exist is checked against a model (`apply_harp`)."""
+    each list of distinct head indices >= 0 (sorted on return; layers with an empty list are left out), the identity
+    bypass only. Whether the heads exist is checked against a model (`apply_harp`)."""
     if keep is None:
         return {}
     if not isinstance(keep, dict):
@@ -72,6 +72,9 @@ def check_keep_heads(keep, alphas: dict[int, float]) -> dict[int, list[int]]:
             raise ValueError(f"keep_heads of layer {layer} lists a head twice: {list(heads)}")
         if heads:
             out[int(layer)] = sorted(int(h) for h in heads)
+    if out and bypass != "identity":
+        raise ValueError(f"keeping heads is built for the identity bypass, not {bypass!r}: a layer that keeps heads "
+                         "has a K/V cache slot, which cannot also hold the mean's running sums")
     return dict(sorted(out.items()))
 
 
@@ -101,10 +104,7 @@ class HarpPlan:
         if not isinstance(self.meta, dict):
             raise ValueError(f"meta must be a mapping, got {type(self.meta).__name__}")
         check_bypass(self.bypass)
-        object.__setattr__(self, "keep_heads", check_keep_heads(self.keep_heads, self.alphas))
-        if self.keep_heads and self.bypass != "identity":
-            raise ValueError(f"keeping heads is built for the identity bypass, not {self.bypass!r}: a layer that "
-                             "keeps heads has a K/V cache slot, which cannot also hold the mean's running sums")
+        object.__setattr__(self, "keep_heads", check_keep_heads(self.keep_heads, self.alphas, self.bypass))
 
     @property
     def layers(self) -> list[int]:
@@ -179,10 +179,10 @@ def check_kv_kept(adapter: Adapter, layers: list[int], bypass: str) -> None:
                          f"the model's {adapter.n_layers}: keep one layer's attention, or use the identity bypass")
 
 
-def check_heads_exist(adapter: Adapter, keep: dict | None) -> dict | None:
-    """`keep` ({layer: [query head, ...]}), refused if a head index is not one of the model's query heads."""
-    for layer, heads in (keep or {}).items():
-        bad = [h for h in heads if is_integer(h) and not 0 <= h < adapter.n_heads]
+def check_heads_exist(adapter: Adapter, keep: dict[int, list[int]]) -> dict[int, list[int]]:
+    """`keep` (checked by `check_keep_heads`), refused if a head index is not one of the model's query heads."""
+    for layer, heads in keep.items():
+        bad = [h for h in heads if not 0 <= h < adapter.n_heads]
         if bad:
             raise ValueError(f"keep_heads of layer {layer}: head {bad[0]} is out of range; this model has query "
                              f"heads 0..{adapter.n_heads - 1} per layer")
@@ -192,11 +192,7 @@ def check_heads_exist(adapter: Adapter, keep: dict | None) -> dict | None:
 def check_keep_for(adapter: Adapter, layers: list[int], keep, bypass: str = "identity") -> dict[int, list[int]]:
     """Kept heads for pruning (or searching) `layers`, checked before anything runs: only in those layers, heads the
     model has, identity bypass only."""
-    keep = check_keep_heads(keep, dict.fromkeys(layers, 1.0))
-    if keep and bypass != "identity":
-        raise ValueError(f"keeping heads is built for the identity bypass, not {bypass!r}: a layer that keeps heads "
-                         "has a K/V cache slot, which cannot also hold the mean's running sums")
-    return check_heads_exist(adapter, keep)
+    return check_heads_exist(adapter, check_keep_heads(keep, dict.fromkeys(layers, 1.0), bypass))
 
 
 def _check_alphas(layers: list[int], alphas: float | dict[int, float]) -> dict[int, float]:
@@ -269,7 +265,8 @@ def apply_harp(
     if meta is not None and not isinstance(meta, dict):
         raise ValueError(f"meta must be a mapping, got {type(meta).__name__}")
     plan = HarpPlan(fingerprint(model.config), _check_alphas(layers, alphas), fold, dict(meta or {}),
-                    check_bypass(bypass), check_heads_exist(adapter, keep_heads))
+                    check_bypass(bypass), keep_heads)
+    check_heads_exist(adapter, plan.keep_heads)
     check_kv_kept(adapter, layers, bypass)
     previous = getattr(model, "harp_plan", None)
     for name in ("fold", "bypass"):

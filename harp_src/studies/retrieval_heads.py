@@ -262,8 +262,8 @@ def _point_rows(ids: dict, res: dict) -> tuple[list[dict], list[pd.DataFrame], l
     items = [_items(name, DENSE, dense_items, res[ids["reading"][DENSE]]["answers"])]
     for i, (row, fid, found) in zip(ids["points"], zip(*points_of(res, ids["points"]), strict=True), strict=True):
         line, point = point_names(row)
-        k = (k_random if row["method"] == HARP_RANDOM else k_at).get(row["scope"] if line != KEEP_LINE
-                                                                       else row["level"].rsplit(" ", 1)[-1], 0)
+        fraction = row["level"].rsplit(" ", 1)[-1] if line == KEEP_LINE else row["scope"]  # "5%": its harp-keep's
+        k = (k_random if row["method"] == HARP_RANDOM else k_at).get(fraction, 0)
         timed = speed.get(row["shape"], {})
         rows.append(dict(model=name, line=line, point=point, k=k, params_removed=row["params_removed"],
                          kv_bytes_per_token=res[ids["reading"][i]]["kv_bytes_per_token"],
