@@ -11,8 +11,10 @@ from torch.testing import assert_close
 
 from conftest import make_tiny
 from harp_src import apply_harp
-from harp_src.compare.points import rebuild, timed_order, with_speeds
+from harp_src.compare.points import HARP_FLAP, LIKE, RELEASE, build, rebuild, recipe_of, timed_order, with_speeds
 from harp_src.measure.timing import REFERENCE, harp_copy, latency_group, latency_pair, shape_key, time_shapes
+from harp_src.method.accounting import param_report
+from harp_src.method.harp import HarpPlan
 from harp_src.model.adapter import fingerprint, get_adapter
 from harp_src.model.modeling_harp import Constant
 from harp_src.pruning import calibration, methods
@@ -493,3 +495,45 @@ def test_verdict_separates_better_points_by_measured_speed():
     assert (row.better_on_lambada, row.harp_on_frontier) == ("none", False)
     slower = verdict({"runs": runs.assign(speedup_8k=[1.20, 1.10, 1.05, 1.30])}, vs).iloc[0]
     assert (slower.dominates_on_kl, slower.harp_on_frontier) == ("none", True)
+
+
+def test_harp_flap_is_harp_then_flap_on_mlp_channels_calibrated_on_the_harp_model(family):
+    """The release scripts' configuration (issue 50): FLAP's budget is the release budget less HARP's own (the paper's
+    convention); the model equals HARP applied, then `prune(..., "flap", scope="mlp")` on it, whether its weights are
+    shared with dense or its own; `rebuild` from the row gives it again; dense is left as it was; the parameters
+    removed are HARP's real drop plus FLAP's."""
+    dense = make_tiny(family)
+    L = dense.config.num_hidden_layers
+    plan = {L - 2: 0.5, L - 1: 0.25}
+    recipe = recipe_of({"recipe": dict(method=HARP_FLAP, scope="mlp", level=RELEASE, n_layers=2, budget=RELEASE)},
+                       {"plan": plan}, dense.config)
+    both = budgets(dense.config, HarpPlan(fingerprint(dense.config), plan))
+    assert (recipe["budget"], recipe["flap_budget"]) == (both["release"], both["release"] - both["harp"])
+    assert recipe["alphas"] == plan and both["release"] > both["harp"] > 0
+    g = torch.Generator().manual_seed(1)
+    calib = torch.randint(3, dense.config.vocab_size, (2, 24), generator=g)
+    x = torch.randint(3, dense.config.vocab_size, (2, 12), generator=g)
+    before = dense(x).logits
+    reference = copy.deepcopy(dense)
+    apply_harp(reference, sorted(plan), plan)
+    harp_removed = sum(p.numel() for p in dense.parameters()) - sum(p.numel() for p in reference.parameters())
+    flap_record = prune(reference, "flap", recipe["flap_budget"], calib, "mlp", progress=False)
+    shared, record = build(dense, recipe, calib, share=True)
+    own, _ = build(dense, recipe, calib)
+    again = rebuild(dense, {"method": HARP_FLAP, "record": record, "alphas": recipe["alphas"]})
+    for model in (shared, own, again):
+        assert_close(model(x).logits, reference(x).logits)
+    assert_close(dense(x).logits, before, rtol=0, atol=0)
+    assert record.layers == flap_record.layers and record.method == "flap" and record.scope == "mlp"
+    n = sum(p.numel() for p in dense.parameters())
+    assert n - sum(p.numel() for p in own.parameters()) == harp_removed + record.params_removed
+    assert 0 < record.params_removed <= recipe["flap_budget"]
+    assert harp_removed == param_report(dense.config, HarpPlan(fingerprint(dense.config), plan))["params_removed"]
+
+
+def test_a_like_budget_is_what_the_other_point_really_removed():
+    dense = make_tiny("llama")
+    L = dense.config.num_hidden_layers
+    recipe = recipe_of({"recipe": dict(method="flap", scope="mlp", level=RELEASE, n_layers=2, budget=LIKE)},
+                       {"plan": {L - 2: 0.5, L - 1: 0.5}, "like": ({"params_removed": 12345},)}, dense.config)
+    assert recipe["budget"] == 12345 and "alphas" not in recipe

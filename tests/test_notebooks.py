@@ -113,7 +113,13 @@ GOLDEN = {
         "smollm2-135m/dense/kv_bytes_per_token": (30 * 3 * 64 * 2 * 4, dict(abs=0)),  # 30 layers, 3 KV groups, fp32
         "smollm2-135m/harp/kv_bytes_per_token": (28 * 3 * 64 * 2 * 4, dict(abs=0)),  # the top 2 cache nothing
         "smollm2-135m/harp-keep 25%/kv_bytes_per_token": (43008 + 2 * 64 * 2 * 4, dict(abs=0)),  # + 2 kept groups
-        "smollm2-135m/all layers/spearman": (0.3099, dict(abs=0.03)),
+        "smollm2-135m/all layers/spearman/induction vs copy-paste": (0.3099, dict(abs=0.03)),
+        "smollm2-135m/all layers/spearman/induction vs LRP": (0.0064, dict(abs=0.03)),
+        # the release configuration: HARP's real drop of the top 2 layers (1,327,104), then FLAP's share of the release
+        # budget (the top 2 layers' V + O in the paper's convention, 884,736, less what FLAP's added biases give back)
+        "smollm2-135m/harp+flap/params_removed": (2211840, dict(abs=0)),
+        "smollm2-135m/attn-drop-top of harp+flap's layers/params_removed": (1770624, dict(abs=0)),
+        "smollm2-135m/harp+flap/kl − flap [mlp] at harp+flap's drop": (0.1148, dict(abs=0.02)),
     },
     "07_head_importance": {  # 2 x 64 tokens score the heads, 2 x 63 predicted test tokens: sizes that only exercise it
         "smollm2-135m/dense/dense/0.000/ppl": (89.49, dict(rel=0.01)),

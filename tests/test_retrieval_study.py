@@ -4,8 +4,10 @@ the same KV bytes, the paired rows of figures/11_retrieval.csv and the agreement
 import numpy as np
 import pandas as pd
 import pytest
+from scipy.stats import spearmanr
 
 from harp_src.studies.retrieval_heads import (
+    BESIDE_RELEASE,
     KEEP_LINE,
     RetrievalParams,
     choose_heads,
@@ -19,7 +21,8 @@ from harp_src.studies.retrieval_heads import (
 
 
 def scores(n_layers=4, n_heads=4) -> pd.DataFrame:
-    rows = [dict(layer=i, head=h, kv_group=h // 2, retrieval=(i * n_heads + h) / 100, copy_paste=0.0)
+    rows = [dict(layer=i, head=h, kv_group=h // 2, retrieval=(i * n_heads + h) / 100, copy_paste=0.0,
+                 taylor=float((h * 7 + i) % 5), lrp=-(i * n_heads + h) / 100)
             for i in range(n_layers) for h in range(n_heads)]
     return pd.DataFrame(rows)
 
@@ -55,6 +58,10 @@ def test_points_are_named_for_their_line():
     assert point_names(dict(method="attn-drop-top", scope="attention", level="KV of harp-keep 5%")) == \
         (KEEP_LINE, "attn-drop-top, KV of harp-keep 5%")
     assert point_names(dict(method="flap", scope="mlp", level="N=8")) == ("flap [mlp]", "flap [mlp]")
+    assert point_names(dict(method="harp+flap", scope="mlp", level="release")) == ("harp+flap", "harp+flap")
+    assert point_names(dict(method="flap", scope="mlp", level="release")) == (BESIDE_RELEASE["flap"],) * 2
+    assert point_names(dict(method="attn-drop-top", scope="attention", level="release"))[1] == \
+        "attn-drop-top of harp+flap's layers"
 
 
 def study() -> dict:
@@ -82,11 +89,35 @@ def test_the_table_pairs_harp_keep_with_harp_and_with_its_random_control():
     assert list(table.columns[:5]) == ["model", "method", "line", "k", "params_removed"]
 
 
+def test_harp_flap_is_paired_with_flap_alone_and_its_layers_dropped():
+    points = ["dense", "harp", "harp+flap", *BESIDE_RELEASE.values()]
+    correct = {"dense": [1, 1], "harp": [0, 1], "harp+flap": [0, 0], BESIDE_RELEASE["flap"]: [1, 1],
+               BESIDE_RELEASE["attn-drop-top"]: [0, 1]}
+    items = pd.DataFrame([dict(model="m", point=p, metric="lambada_openai", unit=u, correct=float(correct[p][u]))
+                          for p in points for u in (0, 1)])
+    windows = pd.DataFrame([dict(model="m", point=p, window=w, kl=0.1 * k) for k, p in enumerate(points[1:])
+                            for w in (0, 1)])
+    rows = [dict(model="m", line=p, point=p, k=0, params_removed=10, kv_bytes_per_token=1.0, speedup_8k=np.nan,
+                 decode_speedup_8k=np.nan) for p in points]
+    table = retrieval_table({"points": pd.DataFrame(rows), "items": items, "windows": windows})
+    paired = table[table.reference != ""].set_index(["reference", "metric"])
+    assert (paired.method == "harp+flap").all()
+    assert set(paired.index.get_level_values(0)) == set(BESIDE_RELEASE.values())
+    assert paired.loc[(BESIDE_RELEASE["flap"], "lambada_openai"), "value"] == pytest.approx(-1.0)
+    assert paired.loc[(BESIDE_RELEASE["attn-drop-top"], "lambada_openai"), "value"] == pytest.approx(-0.5)
+    assert paired.loc[(BESIDE_RELEASE["flap"], "kl"), "value"] == pytest.approx(0.1 - 0.3)  # the last point's KL
+
+
 def test_score_agreement_is_spearman_and_the_shared_top_ten():
     s = scores().assign(model="m", copy_paste=lambda d: d.retrieval[::-1].to_numpy(), pruned=lambda d: d.layer >= 2)
-    a = score_agreement(s).set_index("heads")
-    assert a.loc["all layers", "spearman"] == pytest.approx(-1.0) and a.loc["all layers", "top10_shared"] == 4
-    assert a.loc["pruned layers", "n"] == 8
+    a = score_agreement(s).set_index(["heads", "a", "b"])
+    both = a.loc[("all layers", "induction", "copy-paste")]
+    assert both.spearman == pytest.approx(-1.0) and both.top10_shared == 4 and both.p < 1e-6
+    assert a.loc[("all layers", "induction", "LRP"), "spearman"] == pytest.approx(-1.0)  # LRP is -induction here
+    assert a.loc[("all layers", "copy-paste", "LRP"), "top10_shared"] == 10
+    taylor = a.loc[("all layers", "induction", "Taylor"), "spearman"]
+    assert taylor == pytest.approx(spearmanr(s.retrieval, s.taylor).statistic) and abs(taylor) < 1
+    assert (a.xs("pruned layers").n == 8).all() and len(a) == 10
 
 
 def test_bad_parameters_are_refused_before_any_model_loads():

@@ -247,8 +247,9 @@ def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
         (EvaluationParams.defaults(TASKS=["lambada_openai"], LIMIT=1, LIMIT_OTHERS=1, N_CALIB=1, SEQ_LEN=32,
                                    N_LAYERS=2, N_FIDELITY=1, LC_LENGTHS=[128], LC_DEPTHS=[0.5]),
          declared["08_evaluation"][1], evaluation_study),
+        # harp+flap's points are point steps like the others (nbval's run of 11 has them): left out, ~1 min less
         (RetrievalParams.defaults(TASKS=[], LC_LENGTHS=[64], LC_ITEMS=1, SCORE_SEQS=1, SCORE_LEN=4, COPY_ITEMS=1,
-                                  COPY_LEN=64, KEEP_FRACTIONS=[0.05], N_LAYERS=2, **small),
+                                  COPY_LEN=64, KEEP_FRACTIONS=[0.05], N_LAYERS=2, RELEASE_CONFIG=False, **small),
          declared["11_retrieval_heads"][1], retrieval_study),
     ]
     before = torch.get_num_threads()

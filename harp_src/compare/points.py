@@ -26,14 +26,19 @@ from ..method.search import search_alphas
 from ..model.adapter import fingerprint
 from ..model.loading import model_shape
 from ..model.weights import held_bytes, n_params, sharing_copy
+from ..pruning.budgets import budgets
 from ..pruning.methods import METHODS, SCOPES, UNSTRUCTURED
 from ..pruning.prune import pruned_copy, shared_copy
+from ..pruning.release import METHOD as HARP_FLAP
+from ..pruning.release import harp_flap, harp_flap_again
 from ..steps import context
 from ..steps.graph import Graph, Step
 
 DENSE, HARP, HARP_BI, HARP_MEAN, PAPER = "dense", "harp", "harp-bi", "harp-mean", "paper"
 HARP_KEEP, HARP_RANDOM = "harp-keep", "harp-random"  # HARP keeping its top retrieval heads; k random heads (11)
 HARP_KINDS = (HARP, HARP_BI, HARP_MEAN, HARP_KEEP, HARP_RANDOM)  # the bypass variants; HARP is always measured
+RELEASE = "release"  # a recipe budget: the release scripts' (HARP_FLAP, `pruning.release`): HARP's part, then FLAP's
+LIKE = "like"  # a recipe budget: the parameters another point (the step's input "like") really removed
 KEPT = (HARP_KEEP, HARP_RANDOM)  # their α's come from a search with the kept heads: {"alphas", "keep_heads"}
 BYPASS = {HARP_MEAN: "mean"}  # the bypass of each HARP variant that is not the identity
 FIDELITY = ("kl", "delta_nll", "top1_agreement")  # per enwiki-test window, against dense
@@ -96,6 +101,8 @@ def build(dense, recipe: dict, calib, *, share: bool = False):
     `dense`, the weights pruning keeps are `dense`'s own tensors (`sharing_copy`); without it the copy owns all of its
     weights and may be trained (recovery)."""
     trim_heap()  # the last point's copy and activations go back to the system before this one is built
+    if recipe["method"] == HARP_FLAP:
+        return harp_flap(dense, recipe["alphas"], recipe["flap_budget"], calib, share=share)
     if "alphas" not in recipe:
         return pruned_copy(dense, recipe["method"], recipe["budget"], calib, recipe["scope"], progress=False,
                            share=share)
@@ -107,9 +114,9 @@ def build(dense, recipe: dict, calib, *, share: bool = False):
 
 # ---------------------------------------------------------------------------------------------- tables
 def best_baseline(fidelity: pd.DataFrame) -> str:
-    """The label of the structured baseline (neither a HARP variant nor unstructured Wanda, which removes no
-    parameter) with the lowest mean enwiki KL; "" when none was measured."""
-    fid = fidelity[~fidelity.method.isin(HARP_KINDS + UNSTRUCTURED)]
+    """The label of the structured baseline (neither a HARP variant, nor HARP + FLAP, nor unstructured Wanda, which
+    removes no parameter) with the lowest mean enwiki KL; "" when none was measured."""
+    fid = fidelity[~fidelity.method.isin(HARP_KINDS + UNSTRUCTURED + (HARP_FLAP,))]
     if fid.empty:
         return ""  # no structured baseline measured: `best` names no point
     means = fid.assign(point=[label(m, s) for m, s in zip(fid.method, fid.scope, strict=True)]).groupby("point").kl
@@ -145,6 +152,8 @@ def rebuild(dense, row: dict):
     """The pruned model of a measured point, from its record or α's (no calibration needed), for inference beside
     `dense`: the weights pruning keeps as they are are `dense`'s own (`sharing_copy`), so timing and task scoring
     hold one set of them, not two."""
+    if row["method"] == HARP_FLAP:
+        return harp_flap_again(dense, row["alphas"], row["record"])
     if row["record"] is not None:
         return shared_copy(dense, row["record"])
     model = sharing_copy(dense)
@@ -295,8 +304,9 @@ def top(alphas: dict, n: int, num_layers: int) -> dict:
 
 
 def recipe_of(key: dict, inputs: dict, config) -> dict:
-    """A point step's full recipe: its budget (HARP's real drop at its level, the paper's Q + K at `paper`, or the
-    parameters of m whole attention sub-layers at {"attention_layers": m}) and a HARP variant's α's (and kept
+    """A point step's full recipe: its budget (HARP's real drop at its level, the paper's Q + K at `paper`, the
+    parameters of m whole attention sub-layers at {"attention_layers": m}, the release budget at RELEASE with FLAP's
+    share in "flap_budget", or at LIKE what the input point "like" really removed) and a HARP variant's α's (and kept
     heads)."""
     r, L = dict(key["recipe"]), fingerprint(config)["num_layers"]
     n, budget = r["n_layers"], r.pop("budget")
@@ -304,9 +314,14 @@ def recipe_of(key: dict, inputs: dict, config) -> dict:
     if isinstance(budget, dict):  # what dropping the top m attention sub-layers removes (α = 0), norms included
         dropped = HarpPlan(fingerprint(config), dict.fromkeys(range(L - budget["attention_layers"], L), 0.0))
         r["budget"] = param_report(config, dropped)["params_removed"]
+    elif budget == LIKE:
+        r["budget"] = inputs["like"][0]["params_removed"]
+    elif budget == RELEASE:  # the paper's convention: HARP's Q + K (and V + O where α = 0), FLAP the rest
+        both = budgets(config, HarpPlan(fingerprint(config), top(inputs["plan"], n, L)))
+        r["budget"], r["flap_budget"] = both[RELEASE], both[RELEASE] - both["harp"]
     else:
         r["budget"] = drops[PAPER] if budget == PAPER else drops[n]
-    if r["method"] == HARP:
+    if r["method"] in (HARP, HARP_FLAP):
         r["alphas"] = top(inputs["plan"], n, L)
     elif r["method"] == HARP_MEAN:
         r["alphas"] = top(inputs["alphas"], n, L)
@@ -445,7 +460,7 @@ def chosen_steps(ms: ModelSteps, points: list[str], names: list[str], tasks: lis
         if r["method"] in names or label(r["method"], r["scope"]) in names:
             out.append((i, ms.scored(i, tasks, limit, shots, label_=label(r["method"], r["scope"]))))
     if BEST in names:
-        structured = [i for i in points if ms.graph.steps[i].key["recipe"]["method"] not in HARP_KINDS]
+        structured = [i for i in points if ms.graph.steps[i].key["recipe"]["method"] not in (*HARP_KINDS, HARP_FLAP)]
         out.append((BEST, ms.scored({"best": structured}, tasks, limit, shots, label_="best")))
     return out
 

@@ -8,11 +8,18 @@ induction mass on repeated random tokens, and Wu et al.'s copy-paste hit rate on
   fraction of those layers' heads (KEEP_FRACTIONS), α searched with the heads kept (it scales only the others);
 - `harp-random`: the same k heads drawn at random from the pruned layers (the control), α searched the same way;
 - `attn-drop-top` at the same KV bytes as each `harp-keep`: the top m attention sub-layers dropped, with m the number
-  of layers' worth of KV groups `harp-keep` no longer caches (whole layers only: the nearest count).
+  of layers' worth of KV groups `harp-keep` no longer caches (whole layers only: the nearest count);
+- with RELEASE_CONFIG, the paper's released configuration `harp+flap` (HARP, then FLAP on MLP channels calibrated on
+  the HARP model, FLAP's budget what the release scripts give it: all attention weights of the top N layers less
+  HARP's Q + K, in the paper's convention), beside the attention of the same N layers dropped and FLAP [mlp] alone at
+  `harp+flap`'s real parameter drop. Ours removes more than the paper's convention counts: its bypass holds V and O
+  folded into one projection per KV group, so the attention drop of the same layers removes fewer parameters.
 
 Each point: KL to dense on enwiki-test windows, its lm-eval tasks (LAMBADA, ARC-Easy) and passkey retrieval at
 LC_LENGTHS (greedy exact match) on the same items as dense, KV bytes per token at the long timing length, and, for
-HARP, `harp-mean`, `harp-keep` and the baselines, prefill and decode speed measured interleaved with dense.
+HARP, `harp-mean`, `harp-keep`, the baselines and the release configuration, prefill and decode speed measured
+interleaved with dense. Beside the two retrieval scores, 07's Taylor and LRP head scores on the calibration windows,
+to say how far "reads from the context" and "matters for the loss" pick the same heads.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ from scipy.stats import spearmanr
 from ..compare.points import (
     DENSE,
     HARP,
+    HARP_FLAP,
     HARP_KEEP,
     HARP_MEAN,
     HARP_RANDOM,
+    LIKE,
+    RELEASE,
     ModelSteps,
     label,
     point_step,
@@ -43,6 +53,8 @@ from ..data.corpora import bos_id
 from ..data.longcontext import passkey_items
 from ..eval.longcontext import long_context_eval
 from ..eval.stats import mean_ci, paired_table
+from ..heads.gates import taylor_head_scores
+from ..heads.lrp import lrp_head_scores
 from ..heads.retrieval import copy_paste_scores, repeated_sequences, retrieval_scores
 from ..measure.kv import kv_bytes_at
 from ..method.layers import quarter_depth
@@ -70,6 +82,7 @@ class RetrievalParams(StudyParams):
     n_layers: int
     keep_fractions: list[float]
     baselines: list[str]
+    release_config: bool
     tasks: list[str]
     limit: int | dict
     lc_lengths: list[int]
@@ -154,6 +167,17 @@ def scores_step(key: dict, inputs: dict) -> dict:
     return {"scores": scores.merge(copy, on=["layer", "head", "kv_group"]), "info": model_info(dense)}
 
 
+def importance_step(key: dict, inputs: dict) -> pd.DataFrame:
+    """07's Taylor (per-layer L2-normalised |∂L/∂gate|) and LRP head scores of every query head on the calibration
+    windows (enwiki train): layer, head, taylor, lrp."""
+    setup = key["setup"]
+    dense, calib = context.dense(setup)[0], context.windows(setup, "train")
+    taylor = taylor_head_scores(dense, calib, progress=False)
+    lrp = lrp_head_scores(dense, calib, progress=False)
+    return pd.DataFrame([dict(layer=i, head=h, taylor=float(taylor[i, h]), lrp=float(lrp[i, h]))
+                         for i in range(taylor.shape[0]) for h in range(taylor.shape[1])])
+
+
 def keep_search_step(key: dict, inputs: dict) -> dict:
     """{"alphas", "keep_heads", "k"}: k heads chosen (k from key's fraction of the pruned layers' query heads; top by
     induction score, or random), then α searched with them kept."""
@@ -195,6 +219,8 @@ def _declare_model(graph: Graph, p: RetrievalParams, name: str) -> dict:
     ids = {"name": name, "n": n, "points": [], "search": ms.search(n)}
     ids["scores"] = ms.add(scores_step, {"score_seqs": p.score_seqs, "score_len": p.score_len,
                                          "copy_items": p.copy_items, "copy_len": p.copy_len}, label="scores")
+    ids["importance"] = ms.add(importance_step, {}, label="Taylor and LRP scores",
+                               size=2 * p.n_calib * p.calib_len / 512)
     level, tasks, limit = f"N={n}", list(p.tasks), p.limit
     recipe = dict(method=HARP, scope="attention", level=level, n_layers=n, budget="N")
     ids["points"].append(ms.point(recipe, ids["search"], None, tasks, limit))
@@ -218,6 +244,16 @@ def _declare_model(graph: Graph, p: RetrievalParams, name: str) -> dict:
         ids["points"].append(ms.add(kv_drop_step, {"recipe": recipe, "tasks": tasks, "limit": limit},
                                     {"plan": ids["search"], "keep": ids["keep"][(HARP_KEEP, fraction)]},
                                     f"point attn-drop, KV of {share(fraction)}"))
+    if p.release_config:  # the release scripts' model, the same layers' attention dropped, FLAP alone at its drop
+        recipe = dict(method=HARP_FLAP, scope="mlp", level=RELEASE, n_layers=n, budget=RELEASE)
+        release = ms.point(recipe, ids["search"], None, tasks, limit)
+        recipe = dict(method=ATTN_DROP, scope="attention", level=RELEASE, n_layers=n, budget={"attention_layers": n})
+        same_layers = ms.point(recipe, ids["search"], None, tasks, limit)
+        recipe = dict(method="flap", scope="mlp", level=RELEASE, n_layers=n, budget=LIKE)
+        alone = ms.add(point_step, {"recipe": recipe, "tasks": tasks, "limit": limit},
+                       {"plan": ids["search"], "like": release}, f"point flap [mlp] at {HARP_FLAP}'s drop")
+        ids["points"] += [release, same_layers, alone]
+        ids["timed"] += [release, same_layers, alone]
     ids["dense"] = ms.scored(DENSE, tasks, limit)
     lc = {"lc_lengths": list(p.lc_lengths), "lc_items": p.lc_items, "long": p.speed_lens[1]}
     size = p.lc_items * sum(p.lc_lengths) / 1024
@@ -236,6 +272,8 @@ def retrieval_graph(p: RetrievalParams) -> tuple[Graph, list[dict]]:
 
 # ---------------------------------------------------------------------------------------------- tables
 KEEP_LINE = f"attn-drop-top at {HARP_KEEP}'s KV"  # the attention-drop points, one per kept fraction
+BESIDE_RELEASE = {ATTN_DROP: f"{ATTN_DROP} of {HARP_FLAP}'s layers",  # the points harp+flap is paired with
+                  "flap": f"flap [mlp] at {HARP_FLAP}'s drop"}
 
 
 def point_names(row: dict) -> tuple[str, str]:
@@ -246,6 +284,8 @@ def point_names(row: dict) -> tuple[str, str]:
         return method, f"{method} {row['scope']}"
     if method == ATTN_DROP and row["level"].startswith("KV of"):
         return KEEP_LINE, f"{ATTN_DROP}, {row['level']}"
+    if row["level"] == RELEASE and method != HARP_FLAP:
+        return BESIDE_RELEASE[method], BESIDE_RELEASE[method]
     return label(method, row["scope"]), label(method, row["scope"])
 
 
@@ -291,13 +331,14 @@ def retrieval_study(p: RetrievalParams) -> dict:
     Returns:
         dict: points (a row per point: line, point, k, params_removed, kv_bytes_per_token, speed-ups, α's, kept
         heads), windows (KL per enwiki-test window), items (model, point, metric, unit, correct: tasks and passkey),
-        scores (both retrieval scores per head), infos, seconds.
+        scores (both retrieval scores and the Taylor and LRP scores per head), infos, seconds.
     """
     graph, models = retrieval_graph(p)
     out = run_steps(graph, reuse=p.reuse_parts)
     parts = [_point_rows(ids, out.results) for ids in models]
-    scores = [out.results[ids["scores"]]["scores"].assign(model=ids["name"], pruned=lambda d, n=ids["n"]: d.layer
-                                                          >= d.layer.max() + 1 - n) for ids in models]
+    scores = [out.results[ids["scores"]]["scores"].merge(out.results[ids["importance"]], on=["layer", "head"])
+              .assign(model=ids["name"], pruned=lambda d, n=ids["n"]: d.layer >= d.layer.max() + 1 - n)
+              for ids in models]
     seconds = [dict(model=ids["name"], seconds=sum(out.provenance[i].get("seconds", 0.0) for i in graph.steps
                                                    if graph.steps[i].key["setup"]["model"] == ids["name"]))
                for ids in models]
@@ -323,7 +364,7 @@ def retrieval_table(study: dict, seed: int = 0) -> pd.DataFrame:
         value, low, high = mean_ci(part.correct.to_numpy(), seed)
         rows.append(dict(model=model, method=point, metric=metric, value=value, ci_low=low, ci_high=high,
                          n=len(part), reference=""))
-    for (model, keep), ref in _pairs(study["points"]):
+    for (model, keep), ref in pairs_of(study["points"]):
         part = scored[(scored.model == model) & scored.point.isin([keep, ref])].rename(columns={"point": "method"})
         for r in paired_table(part, ref, ["metric"], unit="unit", seed=seed).itertuples():
             rows.append(dict(model=model, method=keep, metric=r.metric, value=r.diff, ci_low=r.ci_low,
@@ -332,24 +373,37 @@ def retrieval_table(study: dict, seed: int = 0) -> pd.DataFrame:
     return pd.DataFrame(rows).merge(cost, on=["model", "method"], how="left")[TABLE_COLUMNS]
 
 
-def _pairs(points: pd.DataFrame) -> list[tuple[tuple[str, str], str]]:
-    """((model, harp-keep point), reference) for every kept fraction: HARP, and the random control at the same k."""
+def pairs_of(points: pd.DataFrame) -> list[tuple[tuple[str, str], str]]:
+    """((model, point), reference) of the paired rows: every `harp-keep` point minus HARP and minus the random control
+    at the same k; `harp+flap` minus the attention drop of its layers and minus FLAP [mlp] at its drop (where
+    measured)."""
     out = []
     for r in points[points.line == HARP_KEEP].itertuples():
         out.append(((r.model, r.point), HARP))
         out.append(((r.model, r.point), r.point.replace(HARP_KEEP, HARP_RANDOM)))
+    for r in points[points.point == HARP_FLAP].itertuples():
+        same = points[(points.model == r.model) & points.point.isin(BESIDE_RELEASE.values())]
+        out += [((r.model, r.point), ref) for ref in same.point]
     return out
 
 
+SCORE_NAMES = {"retrieval": "induction", "copy_paste": "copy-paste", "taylor": "Taylor", "lrp": "LRP"}
+AGREEMENT = (("retrieval", "copy_paste"), ("retrieval", "taylor"), ("retrieval", "lrp"), ("copy_paste", "taylor"),
+             ("copy_paste", "lrp"))  # each retrieval score against the other and against 07's two
+
+
 def score_agreement(scores: pd.DataFrame) -> pd.DataFrame:
-    """How the two retrieval scores agree, per model: Spearman's ρ over every head and over the pruned layers' heads,
-    and how many of the top 10 heads by induction score are among the top 10 by copy-paste score."""
+    """How the head scores agree, per model and pair (`AGREEMENT`: the two retrieval scores, and each against 07's
+    Taylor and LRP): Spearman's ρ with its p-value over every head and over the pruned layers' heads, and how many of
+    the top 10 heads by the first score are among the top 10 by the second."""
     rows = []
     for model, part in scores.groupby("model", sort=False):
         for where, heads in (("all layers", part), ("pruned layers", part[part.pruned])):
-            rho = spearmanr(heads.retrieval, heads.copy_paste).statistic
-            top = set(heads.nlargest(10, "retrieval").index) & set(heads.nlargest(10, "copy_paste").index)
-            rows.append(dict(model=model, heads=where, n=len(heads), spearman=float(rho), top10_shared=len(top)))
+            for a, b in AGREEMENT:
+                res = spearmanr(heads[a], heads[b])
+                top = set(heads.nlargest(10, a).index) & set(heads.nlargest(10, b).index)
+                rows.append(dict(model=model, heads=where, a=SCORE_NAMES[a], b=SCORE_NAMES[b], n=len(heads),
+                                 spearman=float(res.statistic), p=float(res.pvalue), top10_shared=len(top)))
     return pd.DataFrame(rows)
 
 
@@ -374,7 +428,7 @@ def summarise_retrieval(table: pd.DataFrame, agreement: pd.DataFrame, study: dic
         if r.keep_heads:
             out[f"{r.model}/{r.point}/keep_heads"] = {str(k): v for k, v in r.keep_heads.items()}
     for r in agreement.itertuples():
-        out[f"{r.model}/{r.heads}/spearman"] = float(r.spearman)
+        out[f"{r.model}/{r.heads}/spearman/{r.a} vs {r.b}"] = float(r.spearman)
     for r in study["seconds"].itertuples():
         out[f"{r.model}/seconds"] = float(r.seconds)
     return out
