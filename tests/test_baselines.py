@@ -17,6 +17,7 @@ from harp_src.method.accounting import param_report
 from harp_src.method.harp import HarpPlan
 from harp_src.model.adapter import fingerprint, get_adapter
 from harp_src.model.modeling_harp import Constant
+from harp_src.model.weights import held_bytes
 from harp_src.pruning import calibration, methods
 from harp_src.pruning import wanda as wanda_module
 from harp_src.pruning.budgets import budgets, capacity
@@ -524,6 +525,7 @@ def test_harp_flap_is_harp_then_flap_on_mlp_channels_calibrated_on_the_harp_mode
     for model in (shared, own, again):
         assert_close(model(x).logits, reference(x).logits)
     assert_close(dense(x).logits, before, rtol=0, atol=0)
+    assert held_bytes(shared, dense) < held_bytes(own, dense)  # shared: only what pruning replaced is its own
     assert record.layers == flap_record.layers and record.method == "flap" and record.scope == "mlp"
     n = sum(p.numel() for p in dense.parameters())
     assert n - sum(p.numel() for p in own.parameters()) == harp_removed + record.params_removed
@@ -536,4 +538,22 @@ def test_a_like_budget_is_what_the_other_point_really_removed():
     L = dense.config.num_hidden_layers
     recipe = recipe_of({"recipe": dict(method="flap", scope="mlp", level=RELEASE, n_layers=2, budget=LIKE)},
                        {"plan": {L - 2: 0.5, L - 1: 0.5}, "like": ({"params_removed": 12345},)}, dense.config)
-    assert recipe["budget"] == 12345 and "alphas" not in recipe
+    assert recipe["budget"] == 12345
+
+
+def test_harp_flap_with_every_alpha_zero_is_harp_alone():
+    """Every α = 0: HARP alone removes the layers' whole attention, the release budget, so FLAP's share is 0 and the
+    model is the HARP model (no record), built and rebuilt alike."""
+    dense = make_tiny("llama")
+    L = dense.config.num_hidden_layers
+    plan = {L - 2: 0.0, L - 1: 0.0}
+    recipe = recipe_of({"recipe": dict(method=HARP_FLAP, scope="mlp", level=RELEASE, n_layers=2, budget=RELEASE)},
+                       {"plan": plan}, dense.config)
+    assert recipe["flap_budget"] == 0
+    x = torch.randint(3, dense.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    model, record = build(dense, recipe, x, share=True)
+    harp = copy.deepcopy(dense)
+    apply_harp(harp, sorted(plan), plan)
+    assert record is None
+    for m in (model, rebuild(dense, {"method": HARP_FLAP, "record": None, "alphas": plan})):
+        assert_close(m(x).logits, harp(x).logits)

@@ -116,7 +116,7 @@ GOLDEN = {
         "smollm2-135m/all layers/spearman/induction vs copy-paste": (0.3099, dict(abs=0.03)),
         "smollm2-135m/all layers/spearman/induction vs LRP": (0.0064, dict(abs=0.03)),
         # the release configuration: HARP's real drop of the top 2 layers (1,327,104), then FLAP's share of the release
-        # budget (the top 2 layers' V + O in the paper's convention, 884,736, less what FLAP's added biases give back)
+        # budget (the top 2 layers' V + O in the paper's convention, 884,736)
         "smollm2-135m/harp+flap/params_removed": (2211840, dict(abs=0)),
         "smollm2-135m/attn-drop-top of harp+flap's layers/params_removed": (1770624, dict(abs=0)),
         "smollm2-135m/harp+flap/kl − flap [mlp] at harp+flap's drop": (0.1148, dict(abs=0.02)),

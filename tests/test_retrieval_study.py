@@ -116,7 +116,7 @@ def test_score_agreement_is_spearman_and_the_shared_top_ten():
     assert a.loc[("all layers", "induction", "LRP"), "spearman"] == pytest.approx(-1.0)  # LRP is -induction here
     assert a.loc[("all layers", "copy-paste", "LRP"), "top10_shared"] == 10
     taylor = a.loc[("all layers", "induction", "Taylor"), "spearman"]
-    assert taylor == pytest.approx(spearmanr(s.retrieval, s.taylor).statistic) and abs(taylor) < 1
+    assert taylor == pytest.approx(spearmanr(s.retrieval, s.taylor).statistic)
     assert (a.xs("pruned layers").n == 8).all() and len(a) == 10
 
 

@@ -255,8 +255,9 @@ class ModelSteps:
                         size=n * self.setup["n_calib"] * self.setup["calib_len"] / 256)
 
     def point(self, recipe: dict, plan: str, alphas: str | None, tasks: list[str], limit) -> str:
-        """A point built and measured: `recipe` (method, scope, level, n_layers, budget: "N" or PAPER), its budget
-        from the identity search `plan`, a HARP variant's α's from `alphas` (a search step), and `tasks`."""
+        """A point built and measured: `recipe` (method, scope, level, n_layers, budget: "N", PAPER, RELEASE or
+        {"attention_layers": m}; see `recipe_of`), its budget from the identity search `plan`, a HARP variant's α's
+        from `alphas` (a search step), and `tasks`."""
         needs = {"plan": plan} | ({"alphas": alphas} if alphas else {})
         size = self.setup["n_eval"] * self.setup["eval_len"] / 512 + _items(limit, tasks, self.setup["model"]) / 20
         return self.add(point_step, {"recipe": recipe, "tasks": list(tasks), "limit": limit}, needs,
@@ -318,7 +319,7 @@ def recipe_of(key: dict, inputs: dict, config) -> dict:
         r["budget"] = inputs["like"][0]["params_removed"]
     elif budget == RELEASE:  # the paper's convention: HARP's Q + K (and V + O where α = 0), FLAP the rest
         both = budgets(config, HarpPlan(fingerprint(config), top(inputs["plan"], n, L)))
-        r["budget"], r["flap_budget"] = both[RELEASE], both[RELEASE] - both["harp"]
+        r["budget"], r["flap_budget"] = both["release"], both["release"] - both["harp"]
     else:
         r["budget"] = drops[PAPER] if budget == PAPER else drops[n]
     if r["method"] in (HARP, HARP_FLAP):
