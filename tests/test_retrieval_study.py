@@ -1,18 +1,25 @@
 """Notebook 11's own logic (issue 50), on small made-up inputs: which heads are kept, the attention drop that holds
 the same KV bytes, the paired rows of figures/11_retrieval.csv and the agreement of the two scores."""
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
 from scipy.stats import spearmanr
+from transformers import AutoTokenizer
 
+from harp_src.data.longcontext import passkey_items
+from harp_src.model.loading import resolve_source
 from harp_src.studies.retrieval_heads import (
     BESIDE_RELEASE,
+    DEPTHS,
     KEEP_LINE,
     RetrievalParams,
     choose_heads,
     k_of,
     kv_layers_freed,
+    passkey_prompts,
     point_names,
     retrieval_table,
     score_agreement,
@@ -126,3 +133,21 @@ def test_bad_parameters_are_refused_before_any_model_loads():
                          (dict(LC_ITEMS=0), "LC_ITEMS")):
         with pytest.raises(ValueError, match=message):
             RetrievalParams.defaults(**bad).check()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(resolve_source("smollm2-135m")[0])
+
+
+def test_passkey_prompts_are_as_many_as_asked_spread_over_the_depths(tok):
+    every = passkey_items(tok, (256, 320), DEPTHS, 2, seed=3)  # 2 per depth and length, in that order
+    assert passkey_prompts(tok, [256, 320], 10, 3) == every  # a multiple of 5: every prompt drawn, as before
+    for n in (1, 2, 7):
+        drawn = passkey_items(tok, (256, 320), DEPTHS, math.ceil(n / 5), seed=3)
+        got = passkey_prompts(tok, [256, 320], n, 3)
+        assert [i["length"] for i in got] == [256] * n + [320] * n and all(i in drawn for i in got)
+        assert len({i["answers"][0] for i in got}) == 2 * n
+        assert [i["depth"] for i in got[:n]] == sorted(i["depth"] for i in got[:n])
+    assert [i["depth"] for i in passkey_prompts(tok, [256], 2, 3)] == [0.1, 0.9]  # the shallowest and the deepest
+    assert {i["depth"] for i in passkey_prompts(tok, [256], 7, 3)} == set(DEPTHS)

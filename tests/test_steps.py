@@ -242,7 +242,7 @@ def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
                                     CAL_BOOT=2, CAL_N_BOOT=20, CAL_TEST=1),
          declared["03_alpha_search"][1], _alpha_search_study),
         (HeadImportanceParams.defaults(N_CALIB=1, N_FT=1, N_TEST=2, N_SENS=1, SEQ_LEN=32, SENSITIVITY_GRID=[1.0],
-                                       SAVINGS_LEN=32, SAVINGS_REPEATS=0),
+                                       TARGET=0.2, SAVINGS_LEN=32, SAVINGS_REPEATS=0),  # 2 iterative rounds, not 7
          declared["07_head_importance"][1], head_importance_study),
         (EvaluationParams.defaults(TASKS=["lambada_openai"], LIMIT=1, LIMIT_OTHERS=1, N_CALIB=1, SEQ_LEN=32,
                                    N_LAYERS=2, N_FIDELITY=1, LC_LENGTHS=[128], LC_DEPTHS=[0.5]),

@@ -153,6 +153,21 @@ def kv_layers_freed(keep: dict[int, list[int]], n_layers: int, n_rep: int, n_kv:
     return max(1, round(n_layers - cached / n_kv))
 
 
+def passkey_prompts(tok, lengths: list[int], n: int, seed: int, split: str = "test") -> list[dict]:
+    """`n` passkey prompts per length, their keys spread over DEPTHS: ceil(n / 5) per depth drawn, then `n` of them at
+    evenly spaced places in that order (every one where `n` is a multiple of 5, so those draws are as they were)."""
+    per_cell = math.ceil(n / len(DEPTHS))
+    items, drawn = passkey_items(tok, tuple(lengths), DEPTHS, per_cell, seed, split=split), per_cell * len(DEPTHS)
+    chosen = np.linspace(0, drawn - 1, n).round().astype(int)
+    return [items[j * drawn + int(i)] for j in range(len(lengths)) for i in chosen]
+
+
+def exact_count(n: int) -> dict:
+    """A key entry for prompt counts that are no multiple of 5: earlier code drew ceil(n / 5) per depth and kept them
+    all, so such a step stored by it must not be reused; other counts keep their keys (and stored full runs)."""
+    return {} if n % len(DEPTHS) == 0 else {"prompts": "exactly n"}
+
+
 # ---------------------------------------------------------------------------------------------- steps
 def scores_step(key: dict, inputs: dict) -> dict:
     """Both retrieval scores of every query head on enwiki-train text, and the model's provenance."""
@@ -161,8 +176,7 @@ def scores_step(key: dict, inputs: dict) -> dict:
     seqs = repeated_sequences(context.windows(setup, "train"), key["score_seqs"], key["score_len"], setup["seed"],
                               bos_id(tok))
     scores = retrieval_scores(dense, seqs, int(bos_id(tok) is not None), progress=False)
-    per_cell = math.ceil(key["copy_items"] / len(DEPTHS))
-    items = passkey_items(tok, (key["copy_len"],), DEPTHS, per_cell, setup["seed"], split="train")
+    items = passkey_prompts(tok, [key["copy_len"]], key["copy_items"], setup["seed"], split="train")
     copy = copy_paste_scores(dense, tok, items, progress=False)
     return {"scores": scores.merge(copy, on=["layer", "head", "kv_group"]), "info": model_info(dense)}
 
@@ -204,8 +218,7 @@ def reading_step(key: dict, inputs: dict) -> dict:
     setup = key["setup"]
     dense, tok = context.dense(setup)
     model = dense if key["which"] == DENSE else rebuild(dense, inputs["p0"][0])
-    per_cell = math.ceil(key["lc_items"] / len(DEPTHS))
-    items = passkey_items(tok, tuple(key["lc_lengths"]), DEPTHS, per_cell, setup["seed"])
+    items = passkey_prompts(tok, key["lc_lengths"], key["lc_items"], setup["seed"])
     answers = long_context_eval(model, tok, items, progress=False)
     return {"answers": answers, "kv_bytes_per_token": kv_bytes_at(model, key["long"]) / key["long"]}
 
@@ -217,8 +230,8 @@ def _declare_model(graph: Graph, p: RetrievalParams, name: str) -> dict:
     n = p.n_layers or quarter_depth(ms.num_layers)
     layers = pruned_layers(ms.num_layers, n)
     ids = {"name": name, "n": n, "points": [], "search": ms.search(n)}
-    ids["scores"] = ms.add(scores_step, {"score_seqs": p.score_seqs, "score_len": p.score_len,
-                                         "copy_items": p.copy_items, "copy_len": p.copy_len}, label="scores")
+    copy = {"copy_items": p.copy_items, "copy_len": p.copy_len, **exact_count(p.copy_items)}
+    ids["scores"] = ms.add(scores_step, {"score_seqs": p.score_seqs, "score_len": p.score_len, **copy}, label="scores")
     ids["importance"] = ms.add(importance_step, {}, label="Taylor and LRP scores",
                                size=2 * p.n_calib * p.calib_len / 512)
     level, tasks, limit = f"N={n}", list(p.tasks), p.limit
@@ -255,7 +268,7 @@ def _declare_model(graph: Graph, p: RetrievalParams, name: str) -> dict:
         ids["points"] += [release, same_layers, alone]
         ids["timed"] += [release, same_layers, alone]
     ids["dense"] = ms.scored(DENSE, tasks, limit)
-    lc = {"lc_lengths": list(p.lc_lengths), "lc_items": p.lc_items, "long": p.speed_lens[1]}
+    lc = {"lc_lengths": list(p.lc_lengths), "lc_items": p.lc_items, "long": p.speed_lens[1], **exact_count(p.lc_items)}
     size = p.lc_items * sum(p.lc_lengths) / 1024
     ids["reading"] = {DENSE: ms.add(reading_step, {"which": DENSE, **lc}, label="passkey dense", size=size)}
     for i in ids["points"]:
