@@ -17,10 +17,12 @@ from harp_src.studies.retrieval_heads import (
     KEEP_LINE,
     RetrievalParams,
     choose_heads,
+    exact_count,
     k_of,
     kv_layers_freed,
     passkey_prompts,
     point_names,
+    retrieval_graph,
     retrieval_table,
     score_agreement,
     share,
@@ -151,3 +153,19 @@ def test_passkey_prompts_are_as_many_as_asked_spread_over_the_depths(tok):
         assert [i["depth"] for i in got[:n]] == sorted(i["depth"] for i in got[:n])
     assert [i["depth"] for i in passkey_prompts(tok, [256], 2, 3)] == [0.1, 0.9]  # the shallowest and the deepest
     assert {i["depth"] for i in passkey_prompts(tok, [256], 7, 3)} == set(DEPTHS)
+    train = passkey_prompts(tok, [256], 2, 3, split="train")  # the copy-paste score's prompts: enwiki train
+    assert train == [passkey_items(tok, (256,), DEPTHS, 1, seed=3, split="train")[i] for i in (0, 4)]
+    assert all(a["prompt"] != b["prompt"] for a, b in zip(train, passkey_prompts(tok, [256], 2, 3), strict=True))
+
+
+def test_prompt_counts_no_multiple_of_five_are_keyed_apart_from_what_earlier_code_stored():
+    """Earlier code drew at least five prompts for any count; a step it stored under a count that is no multiple of 5
+    must not be reused, while multiples of 5 (the full profile's 50 and 20) keep their keys and stored steps."""
+    def prompt_keys(n):
+        graph = retrieval_graph(RetrievalParams.defaults(LC_ITEMS=n, COPY_ITEMS=n))[0]
+        return [s.key for s in graph.steps.values() if s.fn.endswith((":reading_step", ":scores_step"))]
+
+    assert exact_count(50) == exact_count(20) == {} and exact_count(2) == {"prompts": "exactly n"}
+    five, two = prompt_keys(5), prompt_keys(2)
+    assert len(five) == len(two) > 2 and all("prompts" not in k for k in five)
+    assert all(k["prompts"] == "exactly n" for k in two)
