@@ -169,3 +169,31 @@ def test_prompt_counts_no_multiple_of_five_are_keyed_apart_from_what_earlier_cod
     five, two = prompt_keys(5), prompt_keys(2)
     assert len(five) == len(two) > 2 and all("prompts" not in k for k in five)
     assert all(k["prompts"] == "exactly n" for k in two)
+
+
+def test_a_model_of_its_own_sizes_changes_its_own_steps_only():
+    """MODEL_SIZES[m] declares m's steps exactly as the same sizes given to every model would; the other models keep
+    their keys (so their stored steps)."""
+    both = ["smollm2-135m", "gemma3-270m"]
+    sizes = {"LC_ITEMS": 3, "LIMIT": {"lambada_openai": 3}, "N_CALIB": 1}
+
+    def keys(p, model):
+        return [s.spec for s in retrieval_graph(p)[0] if s.key["setup"]["model"] == model]
+
+    shared, own = RetrievalParams.defaults(MODELS=both), RetrievalParams.defaults(MODELS=both,
+                                                                                  MODEL_SIZES={"gemma3-270m": sizes})
+    own.check()
+    assert own.for_model("smollm2-135m") is own and own.for_model("gemma3-270m").lc_items == 3
+    assert keys(own, "smollm2-135m") == keys(shared, "smollm2-135m")
+    assert keys(own, "gemma3-270m") == keys(RetrievalParams.defaults(MODELS=both, **sizes), "gemma3-270m")
+    assert keys(own, "gemma3-270m") != keys(shared, "gemma3-270m")
+
+
+def test_bad_model_sizes_are_refused_before_any_model_loads():
+    for sizes, error, message in (({"qwen2.5-coder-1.5b": {"LC_ITEMS": 2}}, ValueError, "does not list"),
+                                  ({"smollm2-135m": {"SEED": 1}}, ValueError, "may set only"),
+                                  ({"smollm2-135m": 3}, ValueError, "may set only"),
+                                  ({"smollm2-135m": {"LC_ITEMS": "many"}}, TypeError, "LC_ITEMS"),
+                                  ({"smollm2-135m": {"LC_ITEMS": 0}}, ValueError, "LC_ITEMS")):
+        with pytest.raises(error, match=message):
+            RetrievalParams.defaults(MODEL_SIZES=sizes).check()

@@ -25,7 +25,7 @@ to say how far "reads from the context" and "matters for the loss" pick the same
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import numpy as np
@@ -74,9 +74,10 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # where the key sits in a passkey prompt, sp
 @dataclass(frozen=True)
 class RetrievalParams(StudyParams):
     """Notebook 11's parameters: models, the pruned depth, the kept-head fractions, the baselines, tasks, passkey
-    items, the retrieval scores' sizes, windows and timing."""
+    items, the retrieval scores' sizes, windows and timing; MODEL_SIZES gives one model smaller (or larger) sizes."""
 
     NOTEBOOK: ClassVar[str] = "11_retrieval_heads"
+    SIZE_NAMES: ClassVar[tuple] = ("LIMIT", "LC_ITEMS", "COPY_ITEMS", "SCORE_SEQS", "N_CALIB", "N_EVAL")
     TYPES: ClassVar[dict] = {"LIMIT": int | dict, "BASELINES": list[str]}
     models: list[str]
     n_layers: int
@@ -102,9 +103,10 @@ class RetrievalParams(StudyParams):
     dtype: str
     device: str
     reuse_parts: bool
+    model_sizes: dict
 
     def check(self) -> None:
-        """Refuse bad values before any model loads."""
+        """Refuse bad values before any model loads (each model's own sizes too)."""
         fractions = list(self.keep_fractions)
         if not fractions or fractions != sorted(set(fractions)) or not all(0 < f <= 1 for f in fractions):
             raise ValueError(f"KEEP_FRACTIONS must be ascending distinct shares in (0, 1], got {fractions}")
@@ -113,6 +115,22 @@ class RetrievalParams(StudyParams):
             raise ValueError(f"SPEED_LENS must be two increasing prompt lengths, got {self.speed_lens}")
         if self.lc_items < 1 or self.copy_items < 1 or self.score_seqs < 1:
             raise ValueError("LC_ITEMS, COPY_ITEMS and SCORE_SEQS must be at least 1")
+        for model, sizes in self.model_sizes.items():
+            if model not in self.models:
+                raise ValueError(f"MODEL_SIZES names {model!r}, which MODELS {self.models} does not list")
+            other = sorted(set(sizes) - set(self.SIZE_NAMES)) if isinstance(sizes, dict) else [repr(sizes)]
+            if other:
+                raise ValueError(f"MODEL_SIZES[{model!r}] may set only {list(self.SIZE_NAMES)}, got {other}")
+            self.for_model(model).check()
+
+    def for_model(self, name: str) -> RetrievalParams:
+        """The parameters model `name`'s steps are declared with: its MODEL_SIZES entry over the shared sizes, type
+        checked (a model without an entry keeps the shared sizes, and so its keys and stored steps)."""
+        sizes = self.model_sizes.get(name, {})
+        if not sizes:
+            return self
+        values = {f.name.upper(): getattr(self, f.name) for f in fields(self)}
+        return type(self).from_values(values | sizes | {"MODEL_SIZES": {}})
 
 
 # ---------------------------------------------------------------------------------------------- choosing heads
@@ -226,6 +244,7 @@ def reading_step(key: dict, inputs: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- the graph
 def _declare_model(graph: Graph, p: RetrievalParams, name: str) -> dict:
     """One model's steps: scores, searches, a point per method (and k), their reading, dense's tasks, the timing."""
+    p = p.for_model(name)
     ms = ModelSteps.open(graph, p, name)
     n = p.n_layers or quarter_depth(ms.num_layers)
     layers = pruned_layers(ms.num_layers, n)
