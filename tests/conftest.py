@@ -4,6 +4,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from transformers import (
     MistralConfig,
     Qwen2Config,
 )
+
+from harp_src.steps.graph import RUN_ENV
 
 # `make test` runs pytest-xdist workers side by side: each takes its share of the cores as torch threads, and the
 # notebook kernels and subprocesses it starts inherit the share, so the workers do not fight over the same cores
@@ -84,6 +87,15 @@ NBVAL_STATE = "HARP_TEST_NBVAL_STATE"
 def pytest_configure(config):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         os.environ[NBVAL_STATE] = tempfile.mkdtemp(prefix="harp-nbval-")
+        # nbval's notebooks are one run, as the runner's are: a step one stored (09's and 10's α searches are 06's)
+        # is read by the others instead of computed again. A fresh id: nothing stored before this session is reused.
+        os.environ[RUN_ENV] = f"make-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(autouse=True)
+def _outside_the_notebooks_run(monkeypatch):
+    """Tests (not nbval's notebooks) compute their steps as before: no run whose stored steps they would reuse."""
+    monkeypatch.delenv(RUN_ENV, raising=False)
 
 
 def pytest_unconfigure(config):

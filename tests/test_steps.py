@@ -1,6 +1,6 @@
 """The graph of steps (`harp_src.steps`): ids and the store, the inline and Ray executors (retries, a killed worker,
-reruns), `--plan`'s critical path and list scheduling, the runner's refusals, and every study declared as a graph on Ray
-writing what inline writes."""
+reruns), `--plan`'s critical path and list scheduling, the runner's refusals, every study's steps as data a worker
+rebuilds, and 06, 09 and 10 on Ray writing what inline writes."""
 
 import os
 import pickle
@@ -14,6 +14,7 @@ from harp_src import runner
 from harp_src.steps import executors, plan
 from harp_src.steps import graph as graph_mod
 from harp_src.steps.graph import Graph, Step
+from harp_src.studies import graphs
 
 TOY = "steps_toy"
 
@@ -101,18 +102,23 @@ def test_ray_retries_a_killed_worker_reports_a_failure_and_a_rerun_computes_only
     always = g.add(Step("nb", *toy("flaky", value=9, marker=str(store / "m2"), kills=2), needs={"x": ids[0]}))
     after = g.add(Step("nb", *toy(value=5), needs={"x": always}))
     bad = g.add(Step("nb", *toy("broken", value=3)))
-    out = executors.run_steps(g, reuse=False, executor="ray", workers=2)
-    assert [out.results[i] for i in ids] == [1, 11, 101, 1112] and out.results[once] == 8
-    assert set(out.failed) == {always, after, bad}
-    assert len(list((store / "m1").glob("try-*"))) == 2 and len(list((store / "m2").glob("try-*"))) == 2
-    assert "always fails" in out.failed[bad]
-    (store / "m2" / "try-2").touch()  # the next try is the third: it survives
-    g2 = Graph()
-    for step in g:
-        g2.add(step if step.id != bad else Step("nb", *toy(value=3)))
-    rerun = executors.run_steps(g2, reuse=True, executor="ray", workers=2)
-    assert sorted(rerun.computed) == sorted([always, after, Step("nb", *toy(value=3)).id])
-    assert rerun.results[always] == 10 and rerun.results[after] == 15
+    ray = executors.start_ray(workers=2)  # one cluster for both runs (a start costs ~20 s): each leaves it open
+    try:
+        out = executors.run_steps(g, reuse=False, executor="ray", workers=2)
+        assert ray.is_initialized()
+        assert [out.results[i] for i in ids] == [1, 11, 101, 1112] and out.results[once] == 8
+        assert set(out.failed) == {always, after, bad}
+        assert len(list((store / "m1").glob("try-*"))) == 2 and len(list((store / "m2").glob("try-*"))) == 2
+        assert "always fails" in out.failed[bad]
+        (store / "m2" / "try-2").touch()  # the next try is the third: it survives
+        g2 = Graph()
+        for step in g:
+            g2.add(step if step.id != bad else Step("nb", *toy(value=3)))
+        rerun = executors.run_steps(g2, reuse=True, executor="ray", workers=2)
+        assert sorted(rerun.computed) == sorted([always, after, Step("nb", *toy(value=3)).id])
+        assert rerun.results[always] == 10 and rerun.results[after] == 15
+    finally:
+        ray.shutdown()
 
 
 def test_plan_critical_path_and_list_scheduling():
@@ -203,33 +209,38 @@ def _csvs(study: dict) -> dict:
             for k, v in study.items() if isinstance(v, pd.DataFrame) and k not in ("seconds", "mean_speed")}
 
 
-def _alpha_search_study(p) -> dict:
-    """Notebook 03's two studies on one parameter object, as one dict of tables."""
-    from harp_src.studies.alpha_search import alpha_study, calibration_study
-
-    return alpha_study(p) | {f"calibration {k}": v for k, v in calibration_study(p).items()}
+@pytest.mark.parametrize("notebook", sorted(graphs()))
+def test_every_declared_step_is_data_a_worker_rebuilds(notebook):
+    """What a Ray worker gets of a step is the step itself: every step of each study's default graph pickles back to
+    an equal step with the same id, its key is plain JSON, and its function is a module-level one imported by name
+    (no closure over what the driver holds)."""
+    params, declare = graphs()[notebook]
+    g = declare(params.defaults())[0]
+    assert len(g) > 0
+    for step in g:
+        again = pickle.loads(pickle.dumps(step))
+        assert again == step and again.id == step.id
+        assert graph_mod.plain(step.key) == step.key, step.label
+        fn = graph_mod.function(step)
+        assert f"{fn.__module__}:{fn.__qualname__}" == step.fn, step.label
 
 
 @pytest.mark.slow
 def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
-    """Every study declared as a graph (03, 06, 07, 08, 09, 10, 11) at sizes smaller than quick: their steps on a local
-    Ray cluster of 2 workers (the runner's pre-pass), then the studies read them stored; every table's CSV equals the
-    inline run's byte for byte, but for the timings. Both run one torch thread per step: torch's CPU reductions split
-    their sums by thread count, which moves the 7th significant digit (the runner's --threads makes two runs
-    comparable)."""
+    """The studies of 06, 09 and 10 at sizes smaller than quick: their steps on a local Ray cluster of 2 workers
+    (the runner's pre-pass), then the studies read them stored; every table's CSV equals the inline run's byte for
+    byte, but for the timings. Both run one torch thread per step: torch's CPU reductions split their sums by thread
+    count, which moves the 7th significant digit (the runner's --threads makes two runs comparable). 03, 07, 08 and 11
+    run on the same executor with steps of the same kind: their steps are checked as data above and run inline under
+    nbval, which keeps ~4 min out of make test."""
+    import ray
     import torch
 
-    from harp_src.studies import graphs
-    from harp_src.studies.alpha_search import AlphaSearchParams
-    from harp_src.studies.evaluation import EvaluationParams, evaluation_study
     from harp_src.studies.frontier import FrontierParams, frontier_graph, frontier_study
-    from harp_src.studies.head_importance import HeadImportanceParams, head_importance_study
     from harp_src.studies.recovery import RecoveryParams, recovery_graph, recovery_study
-    from harp_src.studies.retrieval_heads import RetrievalParams, retrieval_study
     from harp_src.studies.scale import ScaleParams, scale_graph, scale_study
 
     small = dict(N_CALIB=1, CALIB_LEN=64, N_EVAL=2, EVAL_LEN=64, SPEED_LENS=[16, 32], DECODE_STEPS=1)
-    declared = graphs()
     studies = [  # the task items are what costs minutes here: one LAMBADA item, where a study needs one at all
         (FrontierParams.defaults(METHODS=["flap:mlp", "harp-mean"], LEVELS=[8], TASKS_MAIN=["lambada_openai"],
                                  LIMIT_MAIN=1, GOLD_TASKS=[], **small), frontier_graph, frontier_study),
@@ -238,19 +249,6 @@ def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
         (RecoveryParams.defaults(METHODS=["flap:mlp"], TASKS=[], FT_STEPS=1, FT_WINDOWS=1, FT_LEN=32,
                                  **{k: v for k, v in small.items() if not k.startswith(("SPEED", "DECODE"))}),
          recovery_graph, recovery_study),
-        (AlphaSearchParams.defaults(N_CALIB=1, N_TEST=1, SEQ_LEN=32, N_LAYERS=2, CAL_SIZES=[1], CAL_SAMPLES=2,
-                                    CAL_BOOT=2, CAL_N_BOOT=20, CAL_TEST=1),
-         declared["03_alpha_search"][1], _alpha_search_study),
-        (HeadImportanceParams.defaults(N_CALIB=1, N_FT=1, N_TEST=2, N_SENS=1, SEQ_LEN=32, SENSITIVITY_GRID=[1.0],
-                                       TARGET=0.2, SAVINGS_LEN=32, SAVINGS_REPEATS=0),  # 2 iterative rounds, not 7
-         declared["07_head_importance"][1], head_importance_study),
-        (EvaluationParams.defaults(TASKS=["lambada_openai"], LIMIT=1, LIMIT_OTHERS=1, N_CALIB=1, SEQ_LEN=32,
-                                   N_LAYERS=2, N_FIDELITY=1, LC_LENGTHS=[128], LC_DEPTHS=[0.5]),
-         declared["08_evaluation"][1], evaluation_study),
-        # harp+flap's points are point steps like the others (nbval's run of 11 has them): left out, ~1 min less
-        (RetrievalParams.defaults(TASKS=[], LC_LENGTHS=[64], LC_ITEMS=1, SCORE_SEQS=1, SCORE_LEN=4, COPY_ITEMS=1,
-                                  COPY_LEN=64, KEEP_FRACTIONS=[0.05], N_LAYERS=2, RELEASE_CONFIG=False, **small),
-         declared["11_retrieval_heads"][1], retrieval_study),
     ]
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -265,6 +263,7 @@ def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
     for p, declare, _ in studies:
         g.merge(declare(p)[0])
     out = executors.run_steps(g, reuse=False, executor="ray", workers=2, threads=1)
+    assert not ray.is_initialized()  # the cluster it started is shut down
     assert not out.failed and len(out.computed) == len(g)
     assert {out.provenance[i]["threads"] for i in out.computed if not g.steps[i].alone} == {1}
     monkeypatch.setattr(executors, "compute",

@@ -117,12 +117,18 @@ def node_cpus(ray) -> int:
 def run_ray(graph: Graph, reuse: bool, workers: int | None = None, address: str | None = None,
             desc: str = "steps", threads: int | None = None) -> Outcome:
     """Every missing step as a Ray task (dependencies as task inputs), each result stored here as it arrives.
-    `threads`: each step's CPUs (torch threads); by default a local cluster's CPUs shared by its workers."""
-    ray = start_ray(workers, address, threads)
+    `threads`: each step's CPUs (torch threads); by default a local cluster's CPUs shared by its workers. Where the
+    caller has Ray open already, its session is used (`workers` and `address` are then the caller's) and stays open."""
+    import ray
+
+    ours = not ray.is_initialized()  # a session the caller opened (ray.init) is used and left open
+    if ours:
+        start_ray(workers, address, threads)
     try:
         return _submit_all(ray, graph, reuse, desc, threads or (None if address else per_worker(workers)))
     finally:
-        ray.shutdown()
+        if ours:
+            ray.shutdown()
 
 
 def _options(step: Step, whole_node: int, per_step: int | None) -> dict:
