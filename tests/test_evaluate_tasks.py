@@ -217,10 +217,10 @@ def test_smollm2_on_a_handful_of_items(smollm2):
 @pytest.mark.slow
 def test_smollm2_arc_easy_is_clearly_above_chance(smollm2):
     model, tok = smollm2
-    df = run_tasks(model, tok, ["arc_easy"], limit=200, num_fewshot=0, verbose=False)
+    df = run_tasks(model, tok, ["arc_easy"], limit=100, num_fewshot=0, verbose=False)
     acc = df.set_index("metric").value["acc"]
-    # measured 0.50 (4 choices: chance 0.25); 200 items give a standard error of about 0.035
-    assert acc == pytest.approx(0.50, abs=0.02)
+    # measured 0.48 (0.50 on 200 items; 4 choices: chance 0.25); 100 items give a standard error of about 0.05
+    assert acc == pytest.approx(0.48, abs=0.02)
     assert acc > 0.25 + 4 * df.set_index("metric").stderr["acc"]
 
 

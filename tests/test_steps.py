@@ -28,6 +28,26 @@ def store(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray cluster of 2 CPUs for this module's Ray tests (a start and its workers' imports cost ~20 s on 2
+    loaded cores); the executor uses a session its caller opened and leaves it open. Its workers import the toy steps
+    and see no run id."""
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", graph_mod.RUN_ENV)}
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *sys.path])
+    os.environ.pop(graph_mod.RUN_ENV, None)
+    try:
+        ray = executors.start_ray(workers=2, threads=1)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    yield ray
+    ray.shutdown()
+
+
 def toy(fn: str = "number", **key) -> tuple[str, dict]:
     return f"{TOY}:{fn}", key
 
@@ -90,7 +110,7 @@ def test_unknown_executor_is_refused(store):
 
 
 @pytest.mark.slow
-def test_ray_retries_a_killed_worker_reports_a_failure_and_a_rerun_computes_only_what_is_missing(store):
+def test_ray_retries_a_killed_worker_reports_a_failure_and_a_rerun_computes_only_what_is_missing(store, local_ray):
     """On a local Ray cluster of 2 workers: the diamond gives inline's results; a step whose worker is killed once
     is retried and finishes; a step killed on every try and one that raises are reported while every step that does
     not need them is stored; the rerun computes only the missing steps, with inline's results."""
@@ -102,23 +122,35 @@ def test_ray_retries_a_killed_worker_reports_a_failure_and_a_rerun_computes_only
     always = g.add(Step("nb", *toy("flaky", value=9, marker=str(store / "m2"), kills=2), needs={"x": ids[0]}))
     after = g.add(Step("nb", *toy(value=5), needs={"x": always}))
     bad = g.add(Step("nb", *toy("broken", value=3)))
-    ray = executors.start_ray(workers=2)  # one cluster for both runs (a start costs ~20 s): each leaves it open
-    try:
-        out = executors.run_steps(g, reuse=False, executor="ray", workers=2)
-        assert ray.is_initialized()
-        assert [out.results[i] for i in ids] == [1, 11, 101, 1112] and out.results[once] == 8
-        assert set(out.failed) == {always, after, bad}
-        assert len(list((store / "m1").glob("try-*"))) == 2 and len(list((store / "m2").glob("try-*"))) == 2
-        assert "always fails" in out.failed[bad]
-        (store / "m2" / "try-2").touch()  # the next try is the third: it survives
-        g2 = Graph()
-        for step in g:
-            g2.add(step if step.id != bad else Step("nb", *toy(value=3)))
-        rerun = executors.run_steps(g2, reuse=True, executor="ray", workers=2)
-        assert sorted(rerun.computed) == sorted([always, after, Step("nb", *toy(value=3)).id])
-        assert rerun.results[always] == 10 and rerun.results[after] == 15
-    finally:
-        ray.shutdown()
+    out = executors.run_steps(g, reuse=False, executor="ray", workers=2)
+    assert local_ray.is_initialized()  # the caller's session stays open
+    assert [out.results[i] for i in ids] == [1, 11, 101, 1112] and out.results[once] == 8
+    assert set(out.failed) == {always, after, bad}
+    assert len(list((store / "m1").glob("try-*"))) == 2 and len(list((store / "m2").glob("try-*"))) == 2
+    assert "always fails" in out.failed[bad]
+    (store / "m2" / "try-2").touch()  # the next try is the third: it survives
+    g2 = Graph()
+    for step in g:
+        g2.add(step if step.id != bad else Step("nb", *toy(value=3)))
+    rerun = executors.run_steps(g2, reuse=True, executor="ray", workers=2)
+    assert sorted(rerun.computed) == sorted([always, after, Step("nb", *toy(value=3)).id])
+    assert rerun.results[always] == 10 and rerun.results[after] == 15
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["no session", "the caller's session"])
+def test_ray_executor_closes_only_the_cluster_it_started(opened, store, monkeypatch):
+    """Without a session, run_ray starts a local cluster and shuts it down after the graph; in a session its caller
+    opened, it starts nothing and leaves it open (a stand-in for ray records the calls)."""
+    import types
+
+    calls = []
+    fake = types.SimpleNamespace(
+        is_initialized=lambda: opened, init=lambda **kw: calls.append("init"),
+        shutdown=lambda: calls.append("shutdown"), remote=lambda fn: fn,
+        nodes=lambda: [{"Alive": True, "Resources": {"CPU": 2}}])
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    out = executors.run_steps(Graph(), reuse=False, executor="ray", workers=2)
+    assert out.computed == [] and calls == ([] if opened else ["init", "shutdown"])
 
 
 def test_plan_critical_path_and_list_scheduling():
@@ -226,14 +258,13 @@ def test_every_declared_step_is_data_a_worker_rebuilds(notebook):
 
 
 @pytest.mark.slow
-def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
+def test_studies_on_ray_write_what_inline_writes(store, monkeypatch, local_ray):
     """The studies of 06, 09 and 10 at sizes smaller than quick: their steps on a local Ray cluster of 2 workers
     (the runner's pre-pass), then the studies read them stored; every table's CSV equals the inline run's byte for
     byte, but for the timings. Both run one torch thread per step: torch's CPU reductions split their sums by thread
     count, which moves the 7th significant digit (the runner's --threads makes two runs comparable). 03, 07, 08 and 11
     run on the same executor with steps of the same kind: their steps are checked as data above and run inline under
     nbval, which keeps ~4 min out of make test."""
-    import ray
     import torch
 
     from harp_src.studies.frontier import FrontierParams, frontier_graph, frontier_study
@@ -242,7 +273,7 @@ def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
 
     small = dict(N_CALIB=1, CALIB_LEN=64, N_EVAL=2, EVAL_LEN=64, SPEED_LENS=[16, 32], DECODE_STEPS=1)
     studies = [  # the task items are what costs minutes here: one LAMBADA item, where a study needs one at all
-        (FrontierParams.defaults(METHODS=["flap:mlp", "harp-mean"], LEVELS=[8], TASKS_MAIN=["lambada_openai"],
+        (FrontierParams.defaults(METHODS=["flap:mlp"], LEVELS=[8], TASKS_MAIN=["lambada_openai"],
                                  LIMIT_MAIN=1, GOLD_TASKS=[], **small), frontier_graph, frontier_study),
         (ScaleParams.defaults(METHODS=["flap:mlp"], TASKS=["lambada_openai"], LIMIT=1, GOLD_TASKS=[], GEN_LIMIT=0,
                               TASK_METHODS=["best"], GEN_METHODS=[], **small), scale_graph, scale_study),
@@ -263,7 +294,6 @@ def test_studies_on_ray_write_what_inline_writes(store, monkeypatch):
     for p, declare, _ in studies:
         g.merge(declare(p)[0])
     out = executors.run_steps(g, reuse=False, executor="ray", workers=2, threads=1)
-    assert not ray.is_initialized()  # the cluster it started is shut down
     assert not out.failed and len(out.computed) == len(g)
     assert {out.provenance[i]["threads"] for i in out.computed if not g.steps[i].alone} == {1}
     monkeypatch.setattr(executors, "compute",
