@@ -33,17 +33,10 @@ def local_ray():
     """One local Ray cluster of 2 CPUs for this module's Ray tests (a start and its workers' imports cost ~20 s on 2
     loaded cores); the executor uses a session its caller opened and leaves it open. Its workers import the toy steps
     and see no run id."""
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", graph_mod.RUN_ENV)}
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *sys.path])
-    os.environ.pop(graph_mod.RUN_ENV, None)
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # only for the start: the workers take their environment from it
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+        mp.delenv(graph_mod.RUN_ENV, raising=False)
         ray = executors.start_ray(workers=2, threads=1)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     yield ray
     ray.shutdown()
 
@@ -264,7 +257,7 @@ def test_studies_on_ray_write_what_inline_writes(store, monkeypatch, local_ray):
     byte, but for the timings. Both run one torch thread per step: torch's CPU reductions split their sums by thread
     count, which moves the 7th significant digit (the runner's --threads makes two runs comparable). 03, 07, 08 and 11
     run on the same executor with steps of the same kind: their steps are checked as data above and run inline under
-    nbval, which keeps ~4 min out of make test."""
+    nbval, which keeps ~3 min out of make test."""
     import torch
 
     from harp_src.studies.frontier import FrontierParams, frontier_graph, frontier_study
