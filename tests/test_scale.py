@@ -6,6 +6,7 @@ import math
 
 import pandas as pd
 import pytest
+import torch
 from torch import nn
 
 from conftest import make_tiny
@@ -13,7 +14,7 @@ from harp_src.compare.points import TIMING_GROUP, pack_groups, rebuild, timing_g
 from harp_src.measure.timing import kv_bytes_formula
 from harp_src.model import loading
 from harp_src.model.loading import PACKAGED, param_count, require_installed
-from harp_src.model.weights import held_bytes, sharing_copy
+from harp_src.model.weights import held_bytes, linear_with, sharing_copy
 from harp_src.report.plots import curves_with_intervals, short_count
 from harp_src.studies.frontier import FrontierParams, frontier_graph
 from harp_src.studies.scale import (
@@ -197,6 +198,27 @@ def test_held_bytes_counts_each_storage_once_and_leaves_out_what_a_copy_shares()
               for p in m.parameters(recurse=False)] + list(shared.buffers())  # norms and buffers
     unshared = sum(t.numel() * t.element_size() for t in copied)
     assert held_bytes(shared, dense) == unshared
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_with_holds_copies_of_what_it_is_given(dtype):
+    """Pruning's new Linears: exactly the given weight and bias, in their own storage (the source can change after),
+    trainable as nn.Linear's are; the same output as the source layer on the kept rows (to rounding: the matmul's
+    blocking depends on the number of rows)."""
+    torch.manual_seed(0)
+    source = nn.Linear(6, 5, dtype=dtype)
+    rows = torch.tensor([0, 2, 3])
+    new = linear_with(source.weight[rows], source.bias[rows])
+    assert (new.in_features, new.out_features, new.weight.dtype) == (6, 3, dtype)
+    assert new.weight.requires_grad and new.bias.requires_grad
+    assert torch.equal(new.weight, source.weight[rows]) and torch.equal(new.bias, source.bias[rows])
+    x = torch.randn(4, 6, dtype=dtype)
+    torch.testing.assert_close(new(x), source(x)[:, rows])
+    with torch.no_grad():
+        source.weight.zero_()
+        source.bias.zero_()
+    assert new.weight.abs().sum() > 0 and new.bias.abs().sum() > 0
+    assert linear_with(torch.ones(2, 3)).bias is None
 
 
 def test_pack_groups_first_fit_in_order():

@@ -26,6 +26,7 @@ from torch import nn
 from ..model.adapter import Adapter, check_fingerprint, fingerprint, get_adapter, mark_kv_free, text_config
 from ..model.modeling_harp import MIXINGS, BypassAttention, DroppedAttention, kind_of, mark_pruned
 from ..model.modeling_harp_keep import keep_heads_attention
+from ..model.weights import linear_with
 from ..report.files import check_object, read_json, write_text
 from .layers import check_layers, is_integer, is_number, parse_layer_key
 
@@ -209,12 +210,8 @@ def _check_alphas(layers: list[int], alphas: float | dict[int, float]) -> dict[i
 def _folded_o_proj(adapter: Adapter, o_proj: nn.Linear, scale: float) -> nn.Linear:
     """o_proj over KV heads: W'[:, kv] = scale · Σ_{g : g // n_rep = kv} W[:, g] (exact, fewer FLOPs)."""
     w = o_proj.weight.unflatten(1, (adapter.n_kv_heads, adapter.n_rep, adapter.head_dim)).sum(dim=2).flatten(1)
-    new = nn.Linear(w.shape[1], w.shape[0], bias=o_proj.bias is not None, device=w.device, dtype=w.dtype)
     with torch.no_grad():
-        new.weight.copy_(w * scale)
-        if o_proj.bias is not None:
-            new.bias.copy_(o_proj.bias * scale)
-    return new
+        return linear_with(w * scale, None if o_proj.bias is None else o_proj.bias * scale)
 
 
 def _prune_layer(adapter: Adapter, i: int, alpha: float, fold: bool, bypass: str) -> None:

@@ -61,7 +61,8 @@ def _sliced(lin: nn.Linear, rows: list[int] | None = None, cols: list[int] | Non
         w = w[:, torch.tensor(cols, device=w.device)]
     bias = None if not bias else lin.bias if lin.bias is None or rows is None else \
         lin.bias[torch.tensor(rows, device=w.device)]
-    new = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
+    # skip_init: no random initialisation, the weights are copied over it below
+    new = nn.utils.skip_init(nn.Linear, w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
     with torch.no_grad():
         new.weight.copy_(w)
         if bias is not None:
@@ -169,7 +170,7 @@ def _bypass_o_proj(o_proj: nn.Linear, layout: dict, head_dim: int, fold: bool, a
     w = o_proj.weight
     blocks = [sum(w[:, h * head_dim:(h + 1) * head_dim] for h in bypassed if h // layout["n_rep"] == g)
               for g in groups]
-    new = nn.Linear(len(groups) * head_dim, w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    new = nn.utils.skip_init(nn.Linear, len(groups) * head_dim, w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     with torch.no_grad():
         new.weight.copy_(torch.cat(blocks, dim=1) * alpha)
     return new

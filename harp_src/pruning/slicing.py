@@ -23,7 +23,7 @@ from torch import nn
 
 from ..model.adapter import Adapter
 from ..model.modeling_harp import Constant
-from ..model.weights import n_params
+from ..model.weights import linear_with, n_params
 
 
 @dataclass(frozen=True)
@@ -81,22 +81,14 @@ def slice_linear(lin: nn.Linear, rows: torch.Tensor | None = None, cols: torch.T
     if cols is not None:
         w = w.index_select(1, cols)
     bias = lin.bias if lin.bias is None or rows is None else lin.bias.index_select(0, rows)
-    new = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        new.weight.copy_(w)
-        if bias is not None:
-            new.bias.copy_(bias)
-    return new
+    return linear_with(w, bias)
 
 
 def add_bias(lin: nn.Linear, delta: torch.Tensor) -> nn.Linear:
     """`lin` with `delta` added to its output bias (a bias is created if it had none)."""
-    new = nn.Linear(lin.in_features, lin.out_features, bias=True, device=lin.weight.device, dtype=lin.weight.dtype)
     with torch.no_grad():
-        new.weight.copy_(lin.weight)
-        base = lin.bias if lin.bias is not None else torch.zeros_like(new.bias)
-        new.bias.copy_(base + delta.to(base))
-    return new
+        base = lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+        return linear_with(lin.weight, base + delta.to(base))
 
 
 def _constant(delta: torch.Tensor | None, bias: torch.Tensor | None, out_norm: nn.Module | None) -> torch.Tensor | None:
