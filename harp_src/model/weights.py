@@ -19,7 +19,8 @@ def n_params(module: nn.Module, trainable: bool = False, linear: bool = False) -
 
 def linear_with(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
     """A new Linear holding copies of `weight` [out, in] and `bias`, on their device and dtype. It skips the random
-    initialisation nn.Linear would run and pruning would overwrite (seconds per layer on a 1.5B model's MLP)."""
+    initialisation nn.Linear would run and pruning would overwrite (~35 ms per projection of a 1.5B model's MLP on 2
+    CPU cores: half of building it)."""
     new = nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
                              dtype=weight.dtype)
     with torch.no_grad():
