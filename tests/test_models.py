@@ -9,7 +9,7 @@ from transformers import Gemma3TextConfig, LlamaConfig
 from conftest import make_tiny
 from harp_src import load_model, perplexity, ppl_windows
 from harp_src.model.adapter import family_of, get_adapter, head_dim
-from harp_src.model.loading import PACKAGED, Packaged, hub_reachable, resolve_source
+from harp_src.model.loading import PACKAGED, Packaged, hub_reachable, one_gguf_parse, resolve_source
 from harp_src.model.modeling_harp import repeat_heads
 
 
@@ -103,6 +103,40 @@ def test_local_directory_loads(tmp_path):
 
 
 @pytest.mark.slow
+def _tiny_gguf(path, value: int):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("harp.test", value)
+    writer.add_tensor("t", np.full(4, value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_one_gguf_parse_gives_every_reader_of_its_file_one_parse(tmp_path):
+    """A packaged model's conversion parses its GGUF once, not once each for tokenizer, config and weights: inside
+    the block, readers of that file (by any spelling of its path) are one object with its fields; another file is
+    parsed on its own; after the block gguf.GGUFReader is the class again."""
+    import gguf
+
+    first, other = _tiny_gguf(tmp_path / "a.gguf", 3), _tiny_gguf(tmp_path / "b.gguf", 5)
+    original = gguf.GGUFReader
+    with one_gguf_parse(first):
+        reader = gguf.GGUFReader(str(first))
+        assert gguf.GGUFReader(tmp_path / "." / "a.gguf") is reader
+        assert int(reader.fields["harp.test"].parts[-1][0]) == 3
+        apart = gguf.GGUFReader(str(other))
+        assert apart is not reader and int(apart.fields["harp.test"].parts[-1][0]) == 5
+    assert gguf.GGUFReader is original
+    with pytest.raises(RuntimeError), one_gguf_parse(first):
+        raise RuntimeError("a failed conversion")
+    assert gguf.GGUFReader is original
+
+
 def test_smollm2_loads_with_sane_perplexity():
     """Real SmolLM2-135M (4-bit GGUF): enwiki-test PPL at 512 tokens is about 19-22."""
     model, tok = load_model("smollm2-135m")
