@@ -1,7 +1,9 @@
 """Tiny randomly initialised models of every supported family (built in code, no downloads)."""
 
+import inspect
 import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -9,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors  # the factory functions torch.set_default_device redirects
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -18,6 +22,7 @@ from transformers import (
     Qwen2Config,
 )
 
+import harp_src
 from harp_src.steps.graph import RUN_ENV
 
 # `make test` runs pytest-xdist workers side by side: each takes its share of the cores as torch threads, and the
@@ -50,20 +55,22 @@ FAMILIES = list(tiny_configs())
 NO_SDPA = {"gemma2"}  # transformers has no sdpa path for Gemma-2 (soft-capping): it runs eager
 
 
-def make_tiny(family: str, attn: str = "sdpa", seed: int = SEED):
-    """A fresh tiny model; the same seed gives the same weights, so two copies can be compared."""
+def make_tiny(family: str, attn: str = "sdpa", seed: int = SEED, device: str | torch.device = "cpu"):
+    """A fresh tiny model on `device`; the same seed gives the same weights on every device (they are drawn on the
+    CPU), so two copies can be compared."""
     torch.manual_seed(seed)
     attn = "eager" if family in NO_SDPA else attn
     config = tiny_configs()[family]
     config._attn_implementation = attn
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
     with torch.no_grad():  # random norm weights so Gemma's (1 + w) and α folding are really exercised
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(-0.5, 0.5) if "gemma" in family else p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
-    return model
+    return model.to(device)
 
 
 @pytest.fixture(params=FAMILIES)
@@ -74,7 +81,84 @@ def family(request):
 @pytest.fixture
 def ids():
     g = torch.Generator().manual_seed(SEED)
-    return torch.randint(3, 128, (2, 12), generator=g)
+    return torch.randint(3, 128, (2, 12), generator=g, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------- --device
+# The exact invariants on tiny models (HARP, the mean bypass, kept heads) and the precision checks take the `device`
+# fixture: `pytest --device cuda tests` runs them, and only them, on a GPU, where kernels, dtypes and default devices
+# differ from the CPU's. They need no packaged model and no download. Without the option they run on the CPU with
+# every other test.
+def pytest_addoption(parser):
+    parser.addoption("--device", default=None, help="run only the tests that take the `device` fixture (exact "
+                     "invariants and precision checks on tiny models), on this torch device: cpu, cuda or cuda:N")
+
+
+TORCH = str(Path(torch.__file__).resolve().parent)
+OURS = (str(Path(harp_src.__file__).resolve().parent), str(Path(__file__).resolve().parent))  # harp_src, tests
+
+
+def called_from(roots: tuple[str, ...]) -> bool:
+    """Whether the factory call being dispatched was made by code under `roots` (directly, or through torch, as
+    nn.Linear(...) calls torch.empty; another mode's dispatch in between is looked through)."""
+    frame = sys._getframe(2)  # the caller of __torch_function__
+    while frame is not None and (frame.f_code.co_filename.startswith(TORCH)
+                                 or frame.f_code.co_name == "__torch_function__"):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(roots)
+
+
+class OnMetaWhenMadeBy(TorchFunctionMode):
+    """torch.set_default_device("meta") for the factory calls made by code under `roots` only."""
+
+    def __init__(self, roots: tuple[str, ...]):
+        super().__init__()
+        self.roots = roots
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _device_constructors() and kwargs.get("device") is None and called_from(self.roots):
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """On the CPU a test that takes `device` runs with every tensor that it or harp_src makes without `device=` sent
+    to "meta": a stand-in for a GPU run, where such a tensor would sit on the CPU beside a CUDA model and fail there.
+    (A tensor meant for the CPU, beside numbers pandas held, says device="cpu".)"""
+    if takes_device(item) and run_device(item.config).type == "cpu":
+        with OnMetaWhenMadeBy(OURS):
+            yield
+    else:
+        yield
+
+
+def run_device(config) -> torch.device:
+    return torch.device(config.getoption("--device") or "cpu")
+
+
+def takes_device(item) -> bool:
+    """Whether a test asks for `device` itself (a fixture that needs it does not make the test device-ready)."""
+    function = getattr(item, "function", None)  # nbval's notebook cells have none
+    return function is not None and "device" in inspect.signature(function).parameters
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--device") is None:
+        return
+    chosen = [item for item in items if takes_device(item)]
+    config.hook.pytest_deselected(items=[item for item in items if not takes_device(item)])
+    items[:] = chosen
+
+
+@pytest.fixture
+def device(request) -> torch.device:
+    """The torch device of `--device` (default cpu), with its index (cuda -> cuda:0), as tensors report theirs."""
+    where = run_device(request.config)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", torch.cuda.current_device())
+    return where
 
 
 # ---------------------------------------------------------------------------------------------- nbval across workers
@@ -85,6 +169,15 @@ NBVAL_STATE = "HARP_TEST_NBVAL_STATE"
 
 
 def pytest_configure(config):
+    try:
+        where = run_device(config)
+    except RuntimeError:
+        where = None
+    if where is None or where.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"--device {config.getoption('--device')!r}: give cpu, cuda or cuda:N")
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {where}: torch {torch.__version__} sees no CUDA device; run on a machine "
+                                "with an NVIDIA GPU and a CUDA build of torch, or leave --device out")
     if "PYTEST_XDIST_WORKER" not in os.environ:
         os.environ[NBVAL_STATE] = tempfile.mkdtemp(prefix="harp-nbval-")
         # nbval's notebooks are one run, as the runner's are: a step one stored (09's and 10's α searches are 06's)

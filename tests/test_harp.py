@@ -34,7 +34,7 @@ def identity_attention_reference(model, alphas: dict[int, float]):
             b, t, _ = x.shape
             v = mod.v_proj(x).view(b, t, ad.n_kv_heads, ad.head_dim).transpose(1, 2)
             v = repeat_kv(v, ad.n_rep)  # [b, heads, t, hd]
-            eye = torch.eye(t, dtype=v.dtype).expand(b, ad.n_heads, t, t)
+            eye = torch.eye(t, dtype=v.dtype, device=v.device).expand(b, ad.n_heads, t, t)
             mixed = (eye @ v).transpose(1, 2).reshape(b, t, -1)
             out = mod.o_proj(mixed)
             return (out if ad.spec.sandwich else a * out), None
@@ -46,27 +46,27 @@ def identity_attention_reference(model, alphas: dict[int, float]):
 
 
 @pytest.mark.parametrize("fold", [False, True])
-def test_bypass_equals_identity_attention(family, ids, fold):
-    alphas = {1: 0.7, 3: 0.3}
-    ref = make_tiny(family)
+def test_bypass_equals_identity_attention(family, ids, fold, device):
+    alphas, ids = {1: 0.7, 3: 0.3}, ids.to(device)
+    ref = make_tiny(family, device=device)
     identity_attention_reference(ref, alphas)
-    pruned = make_tiny(family)
+    pruned = make_tiny(family, device=device)
     apply_harp(pruned, list(alphas), alphas, fold=fold)
     with torch.no_grad():
         assert_close(pruned(ids).logits, ref(ids).logits, **TOL)
 
 
-def test_alpha_one_on_one_token_is_dense(family):
+def test_alpha_one_on_one_token_is_dense(family, device):
     """Attention over a single token is the identity, so α = 1 bypass changes nothing."""
-    dense, pruned = make_tiny(family), make_tiny(family)
+    dense, pruned = make_tiny(family, device=device), make_tiny(family, device=device)
     apply_harp(pruned, range(4), 1.0)
-    one = torch.tensor([[5], [77]])
+    one = torch.tensor([[5], [77]], device=device)
     with torch.no_grad():
         assert_close(pruned(one).logits, dense(one).logits, **TOL)
 
 
-def test_alpha_zero_drops_the_attention_sublayer(family, ids):
-    ref, pruned = make_tiny(family), make_tiny(family)
+def test_alpha_zero_drops_the_attention_sublayer(family, ids, device):
+    ref, pruned, ids = make_tiny(family, device=device), make_tiny(family, device=device), ids.to(device)
     for i in (0, 2):
         get_adapter(ref).attention(i).register_forward_hook(lambda m, a, o: (torch.zeros_like(o[0]), None))
     before = n_params(pruned)
@@ -96,9 +96,9 @@ def test_parameter_count_drops_by_deleted_tensors(family):
         assert not hasattr(ad.attention(i), "q_proj") and not hasattr(ad.attention(i), "k_proj")
 
 
-def test_folded_equals_unfolded(family, ids):
-    alphas = {0: 0.4, 2: 1.0, 3: 0.0}
-    a, b = make_tiny(family), make_tiny(family)
+def test_folded_equals_unfolded(family, ids, device):
+    alphas, ids = {0: 0.4, 2: 1.0, 3: 0.0}, ids.to(device)
+    a, b = make_tiny(family, device=device), make_tiny(family, device=device)
     apply_harp(a, list(alphas), alphas, fold=False)
     apply_harp(b, list(alphas), alphas, fold=True)
     assert n_params(b) < n_params(a) or get_adapter(a).n_rep == 1
@@ -106,10 +106,10 @@ def test_folded_equals_unfolded(family, ids):
         assert_close(b(ids).logits, a(ids).logits, **TOL)
 
 
-def test_eager_equals_sdpa(family, ids):
+def test_eager_equals_sdpa(family, ids, device):
     if family in NO_SDPA:
         pytest.skip(f"transformers has no sdpa path for {family}")
-    a, b = make_tiny(family, "eager"), make_tiny(family, "sdpa")
+    a, b, ids = make_tiny(family, "eager", device=device), make_tiny(family, "sdpa", device=device), ids.to(device)
     for m in (a, b):
         apply_harp(m, [1, 2], {1: 0.6, 2: 0.9})
     with torch.no_grad():
@@ -117,11 +117,11 @@ def test_eager_equals_sdpa(family, ids):
 
 
 @pytest.mark.parametrize("layers", ["top:2", "bottom:2", "1-2", "0,3", "0-3"])
-def test_cached_decoding_equals_uncached(family, layers):
-    dense = make_tiny(family)
-    model = make_tiny(family)
+def test_cached_decoding_equals_uncached(family, layers, device):
+    dense = make_tiny(family, device=device)
+    model = make_tiny(family, device=device)
     plan = apply_harp(model, layers, 0.8)
-    prompt = torch.tensor([[5, 9, 33, 7, 81, 12, 4, 60, 18, 99, 41, 3]])
+    prompt = torch.tensor([[5, 9, 33, 7, 81, 12, 4, 60, 18, 99, 41, 3]], device=device)
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     cached = model.generate(prompt, **kw)
     uncached = model.generate(prompt, use_cache=False, **kw)

@@ -28,8 +28,8 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 ALPHAS = {1: 0.6, 3: 0.3}
 
 
-def ids(n=2, t=12, seed=0):
-    return torch.randint(3, 120, (n, t), generator=torch.Generator().manual_seed(seed))
+def ids(n=2, t=12, seed=0, device="cpu"):
+    return torch.randint(3, 120, (n, t), generator=torch.Generator().manual_seed(seed), device="cpu").to(device)
 
 
 @torch.no_grad()
@@ -73,18 +73,18 @@ def kept_heads_reference(model, alphas: dict, keep: dict):
 
 # ---------------------------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("fold", [True, False])
-def test_keeping_every_head_gives_the_dense_model(family, fold):
-    dense, model = make_tiny(family), make_tiny(family)
+def test_keeping_every_head_gives_the_dense_model(family, fold, device):
+    dense, model, x = make_tiny(family, device=device), make_tiny(family, device=device), ids(device=device)
     apply_harp(model, list(ALPHAS), ALPHAS, fold=fold, keep_heads={i: [0, 1, 2, 3] for i in ALPHAS})
-    assert_close(logits(model, ids()), logits(dense, ids()), **TOL)
+    assert_close(logits(model, x), logits(dense, x), **TOL)
 
 
-def test_keeping_no_head_is_harp(family):
-    harp, model = make_tiny(family), make_tiny(family)
+def test_keeping_no_head_is_harp(family, device):
+    harp, model, x = make_tiny(family, device=device), make_tiny(family, device=device), ids(device=device)
     apply_harp(harp, list(ALPHAS), ALPHAS)
     plan = apply_harp(model, list(ALPHAS), ALPHAS, keep_heads={1: [], 3: []})
     assert plan.keep_heads == {} and plan == harp.harp_plan
-    assert_close(logits(model, ids()), logits(harp, ids()), rtol=0, atol=0)
+    assert_close(logits(model, x), logits(harp, x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("keep,alphas", [
@@ -93,20 +93,20 @@ def test_keeping_no_head_is_harp(family):
     ({1: [1, 3], 3: [0, 2]}, {1: 1.0, 3: 0.5}),  # one head in each group
 ])
 @pytest.mark.parametrize("fold", [True, False])
-def test_kept_heads_attend_as_dense_and_the_others_pass_their_value(family, keep, alphas, fold):
-    ref = kept_heads_reference(make_tiny(family), alphas, keep)
-    model = make_tiny(family)
+def test_kept_heads_attend_as_dense_and_the_others_pass_their_value(family, keep, alphas, fold, device):
+    ref = kept_heads_reference(make_tiny(family, device=device), alphas, keep)
+    model, x = make_tiny(family, device=device), ids(device=device)
     apply_harp(model, list(alphas), alphas, fold=fold, keep_heads=keep)
     for attn in ("eager", "sdpa"):
         for m in (ref, model):
             m.set_attn_implementation(attn if family != "gemma2" else "eager")
-        assert_close(logits(model, ids()), logits(ref, ids(), use_cache=False), **TOL)
+        assert_close(logits(model, x), logits(ref, x, use_cache=False), **TOL)
 
 
-def test_cached_decoding_equals_the_full_forward(family):
-    model = make_tiny(family)
+def test_cached_decoding_equals_the_full_forward(family, device):
+    model = make_tiny(family, device=device)
     apply_harp(model, list(ALPHAS), ALPHAS, keep_heads={1: [0, 1, 2], 3: [2]})
-    x = ids(2, 12)
+    x = ids(2, 12, device=device)
     full = logits(model, x)
     with torch.no_grad():
         out = model(x[:, :6], use_cache=True)
@@ -117,10 +117,10 @@ def test_cached_decoding_equals_the_full_forward(family):
     assert_close(torch.stack(steps[:-1], 1), full[:, 5:11], **TOL)
 
 
-def test_generation_with_padding_and_beams_matches_without_cache(family):
-    model = make_tiny(family)
+def test_generation_with_padding_and_beams_matches_without_cache(family, device):
+    model = make_tiny(family, device=device)
     apply_harp(model, list(ALPHAS), ALPHAS, keep_heads={1: [0, 1, 2], 3: [2]})
-    x = ids(2, 8)
+    x = ids(2, 8, device=device)
     mask = torch.ones_like(x)
     x[0, :3], mask[0, :3] = 0, 0  # left padding
     kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -140,13 +140,13 @@ def kv_groups_kept(ad, keep: dict) -> list[int]:
             for i in range(ad.n_layers)]
 
 
-def test_kv_bytes_and_parameters_are_what_remains(family):
-    dense, model = make_tiny(family), make_tiny(family)
+def test_kv_bytes_and_parameters_are_what_remains(family, device):
+    dense, model = make_tiny(family, device=device), make_tiny(family, device=device)
     keep = {1: [0, 1], 3: [3]}
     plan = apply_harp(model, list(ALPHAS), ALPHAS, fold=False, keep_heads=keep)
     ad, t = get_adapter(dense), 6  # below Gemma's sliding window of 8, so every layer caches every token
     with torch.no_grad():
-        cache = model(ids(1, t), use_cache=True).past_key_values
+        cache = model(ids(1, t, device=device), use_cache=True).past_key_values
     per_layer = [2 * t * groups * ad.head_dim * 4 for groups in kv_groups_kept(ad, keep)]
     assert kv_bytes_per_layer(cache) == per_layer and prompt_kv_bytes(model, t) == sum(per_layer)
     row = ad.hidden + (ad.attention(1).q_proj.bias is not None)  # weights and bias of one q, k or v row
@@ -161,12 +161,12 @@ def test_kv_bytes_and_parameters_are_what_remains(family):
     assert param_report(dense.config, plan)["params_removed"] == gone
 
 
-def test_mqa_keeps_the_whole_kv_of_a_layer_that_keeps_any_head():
+def test_mqa_keeps_the_whole_kv_of_a_layer_that_keeps_any_head(device):
     """Gemma-3's tiny config has one KV group: keeping one head keeps the layer's entire K/V cache."""
-    model = make_tiny("gemma3")
+    model = make_tiny("gemma3", device=device)
     apply_harp(model, [1, 3], ALPHAS, keep_heads={1: [2]})
     with torch.no_grad():
-        cache = model(ids(1, 6), use_cache=True).past_key_values
+        cache = model(ids(1, 6, device=device), use_cache=True).past_key_values
     assert kv_bytes_per_layer(cache) == [2 * 6 * 16 * 4, 2 * 6 * 16 * 4, 2 * 6 * 16 * 4, 0]
 
 

@@ -28,7 +28,7 @@ def uniform_causal_matrix(real: torch.Tensor) -> torch.Tensor:
     """[B, T, T]: row t averages the real positions s ≤ t (a dense matrix, written independently of the O(T) path);
     a row with no real position is zero."""
     t = real.shape[1]
-    allowed = torch.tril(torch.ones(t, t, dtype=torch.bool)) & real[:, None, :].bool()
+    allowed = torch.tril(torch.ones(t, t, dtype=torch.bool, device=real.device)) & real[:, None, :].bool()
     a = allowed.double()
     return (a / a.sum(-1, keepdim=True).clamp_min(1)).float()
 
@@ -52,14 +52,14 @@ def mean_attention_reference(model, alphas: dict[int, float], real: torch.Tensor
             ad.attn_out_norm(i).register_forward_hook(lambda m, i_, o, a=a: a * o)
 
 
-def prompt(n=1, t=12, seed=0):
-    return torch.randint(3, 120, (n, t), generator=torch.Generator().manual_seed(seed))
+def prompt(n=1, t=12, seed=0, device="cpu"):
+    return torch.randint(3, 120, (n, t), generator=torch.Generator().manual_seed(seed), device="cpu").to(device)
 
 
 @pytest.mark.parametrize("fold", [False, True])
-def test_mean_bypass_equals_explicit_uniform_causal_attention(family, fold):
-    x = prompt(2)
-    ref, pruned = make_tiny(family), make_tiny(family)
+def test_mean_bypass_equals_explicit_uniform_causal_attention(family, fold, device):
+    x = prompt(2, device=device)
+    ref, pruned = make_tiny(family, device=device), make_tiny(family, device=device)
     mean_attention_reference(ref, ALPHAS, torch.ones_like(x))
     plan = apply_harp(pruned, list(ALPHAS), ALPHAS, fold=fold, bypass="mean")
     assert plan.bypass == "mean" and pruned.harp_plan.bypass == "mean"
@@ -92,10 +92,10 @@ def step_logits(model, x: torch.Tensor, n_prompt: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layers", ["top:2", "0,3", "0-2"])
-def test_cached_decoding_equals_uncached(family, layers):
-    model = make_tiny(family)
+def test_cached_decoding_equals_uncached(family, layers, device):
+    model = make_tiny(family, device=device)
     plan = apply_harp(model, layers, 0.8, bypass="mean")
-    x = prompt(2, 20)  # past Gemma's sliding window of 8, so the windowed masks are exercised
+    x = prompt(2, 20, device=device)  # past Gemma's sliding window of 8, so the windowed masks are exercised
     with torch.no_grad():
         full = model(x, use_cache=False).logits
     cached, cache = step_logits(model, x, 7)
@@ -104,39 +104,39 @@ def test_cached_decoding_equals_uncached(family, layers):
         slot = cache.layers[i]
         width = get_adapter(model).attention(i).v_proj.out_features
         assert isinstance(slot, RunningMean) and slot.sum.shape == (2, width)
-        assert_close(slot.count, torch.full((2, 1), 20.0))
+        assert_close(slot.count, torch.full((2, 1), 20.0, device=device))
     assert kv_cache_bytes(type("C", (), {"layers": [cache.layers[i] for i in plan.alphas]})) == 0
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert model.generate(x[:1, :9], **kw).tolist() == model.generate(x[:1, :9], use_cache=False, **kw).tolist()
 
 
-def test_beam_search_reorders_the_running_mean():
-    model = make_tiny("llama")
+def test_beam_search_reorders_the_running_mean(device):
+    model = make_tiny("llama", device=device)
     apply_harp(model, "1-3", 1.0, bypass="mean")
     kw = dict(max_new_tokens=10, do_sample=False, num_beams=4, pad_token_id=0)
-    x = prompt(1, 9)  # checked: without reordering the running sums, these beams come out differently
+    x = prompt(1, 9, device=device)  # checked: without reordering the running sums, these beams come out differently
     assert model.generate(x, **kw).tolist() == model.generate(x, use_cache=False, **kw).tolist()
 
 
 def left_padded(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     t = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), t, dtype=torch.long)
-    mask = torch.zeros(len(seqs), t, dtype=torch.long)
+    ids = torch.zeros(len(seqs), t, dtype=torch.long, device=seqs[0].device)
+    mask = torch.zeros_like(ids)
     for b, s in enumerate(seqs):
         ids[b, t - len(s) :], mask[b, t - len(s) :] = s, 1
     return ids, mask
 
 
-def test_left_padding_averages_real_tokens_only(family):
-    model = make_tiny(family)
+def test_left_padding_averages_real_tokens_only(family, device):
+    model = make_tiny(family, device=device)
     apply_harp(model, list(ALPHAS), ALPHAS, bypass="mean")
-    short, long = prompt(1, 6, seed=1)[0], prompt(1, 11, seed=2)[0]
+    short, long = prompt(1, 6, seed=1, device=device)[0], prompt(1, 11, seed=2, device=device)[0]
     ids, mask = left_padded([short, long])
     with torch.no_grad():
         batch = model(ids, attention_mask=mask).logits
         alone = model(short[None]).logits
     assert_close(batch[0, -6:], alone[0], **TOL)
-    ref = make_tiny(family)
+    ref = make_tiny(family, device=device)
     mean_attention_reference(ref, ALPHAS, mask)
     with torch.no_grad():
         assert_close(batch[mask.bool()], ref(ids, attention_mask=mask).logits[mask.bool()], **TOL)

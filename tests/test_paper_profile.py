@@ -87,14 +87,15 @@ def test_the_gpu_timing_profile_times_04_up_to_64k_in_bf16():
 
 
 # ---------------------------------------------------------------------------------------------- scripts/gpu_check.sh
-def run_check(tmp_path: Path, bin_dir: Path) -> subprocess.CompletedProcess:
-    """scripts/gpu_check.sh copied into an empty repository, run with PATH = `bin_dir` and the test's Python."""
+def run_check(tmp_path: Path, bin_dir: Path, **env_: str) -> subprocess.CompletedProcess:
+    """scripts/gpu_check.sh copied into an empty repository, run with PATH = `bin_dir`, the test's Python and
+    `env_`."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy2(ROOT / "scripts" / "gpu_check.sh", repo / "scripts")
     for tool in ["dirname", "head", "tail"]:
         (bin_dir / tool).symlink_to(shutil.which(tool))
-    env = {"PATH": str(bin_dir), "PYTHON": sys.executable, "HOME": os.environ.get("HOME", str(tmp_path))}
+    env = {"PATH": str(bin_dir), "PYTHON": sys.executable, "HOME": os.environ.get("HOME", str(tmp_path))} | env_
     return subprocess.run([shutil.which("bash"), str(repo / "scripts" / "gpu_check.sh")], env=env,
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
 
@@ -121,6 +122,20 @@ def test_gpu_check_without_nvidia_smi_fails_in_one_line_and_starts_nothing(tmp_p
     assert only_the_script(tmp_path)
 
 
+@pytest.mark.parametrize("parts,message", [
+    ("tests bogus", "unknown part 'bogus' (choose among: tests quick timing)"),
+    (" ", "GPU_CHECK_PARTS is empty (choose among: tests quick timing)"),
+])
+def test_gpu_check_with_unknown_parts_fails_in_one_line_and_starts_nothing(tmp_path, parts, message):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    done = run_check(tmp_path, bin_dir, GPU_CHECK_PARTS=parts)
+    assert done.returncode != 0 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: ") and lines[0].endswith(message), lines
+    assert only_the_script(tmp_path)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_gpu_check_with_a_gpu_but_no_cuda_in_torch_fails_in_one_line_and_starts_nothing(tmp_path):
     bin_dir = tmp_path / "bin"
@@ -134,3 +149,36 @@ def test_gpu_check_with_a_gpu_but_no_cuda_in_torch_fails_in_one_line_and_starts_
     assert len(lines) == 1 and lines[0].startswith("gpu_check: torch sees no CUDA device (") and \
         lines[0].endswith("install a CUDA build of torch"), lines
     assert only_the_script(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- pytest --device
+def collect(*args: str) -> subprocess.CompletedProcess:
+    """`pytest --collect-only` in a fresh process (this run's xdist and plugin settings left out)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HARP_TEST_"))}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_device_option_collects_only_the_tests_that_take_a_device():
+    """`pytest --device D` (what scripts/gpu_check.sh runs with cuda) keeps exactly the tests that ask for `device`:
+    in test_harp.py the six exact invariants, not the bad-input, plan or paper checks."""
+    done = collect("--device", "cpu", "tests/test_harp.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    kept = {line.split("::")[1].split("[")[0] for line in done.stdout.splitlines() if "::" in line}
+    assert kept == {"test_bypass_equals_identity_attention", "test_alpha_one_on_one_token_is_dense",
+                    "test_alpha_zero_drops_the_attention_sublayer", "test_folded_equals_unfolded",
+                    "test_eager_equals_sdpa", "test_cached_decoding_equals_uncached"}
+    assert "deselected" in done.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("name,message", [
+    ("meta", "--device 'meta': give cpu, cuda or cuda:N"),
+    ("gpu0", "--device 'gpu0': give cpu, cuda or cuda:N"),
+    pytest.param("cuda", "--device cuda: torch ", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                                           reason="this machine has CUDA")),
+])
+def test_a_device_pytest_cannot_use_is_refused_in_one_line(name, message):
+    done = collect("--device", name, "tests/test_harp.py")
+    assert done.returncode != 0 and "collected" not in done.stdout
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1 and errors[0].startswith(f"ERROR: {message}"), done.stdout + done.stderr

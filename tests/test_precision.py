@@ -1,27 +1,25 @@
 """Device placement and precision (issue 49, item 4), on the tiny random models of every family.
 
-- No tensor of ours is made on the default device instead of the model's: the model stays on the CPU while the
-  default device is "meta", where a tensor has no data, so one made without `device=` makes a result wrong or raises.
+- No tensor of ours is made on the default device instead of the model's: the model stays on its device (the CPU, or
+  `pytest --device cuda`'s GPU) while the default device is "meta", where a tensor has no data, so one made without
+  `device=` makes a result wrong or raises.
 - A bf16 copy of each model follows its fp32 original (HARP, the mean bypass, the fast scorer, fidelity) within bf16's
   rounding, and log-softmax and cumulative sums accumulate in float32, whatever the model's dtype.
 """
 
 import copy
 import math
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
-from torch.utils._device import _device_constructors  # the factory functions torch.set_default_device redirects
 from transformers import DynamicCache
 
 import harp_src
-from conftest import make_tiny
+from conftest import OnMetaWhenMadeBy, make_tiny
 from harp_src import apply_harp, perplexity, search_alphas
 from harp_src.eval import scoring
 from harp_src.eval.fidelity import fidelity_windows, reference_states
@@ -33,7 +31,6 @@ from harp_src.model.modeling_harp import RunningMean, causal_mean
 from harp_src.model.nll import next_token_nll, token_nll
 
 OURS = str(Path(harp_src.__file__).resolve().parent)
-TORCH = str(Path(torch.__file__).resolve().parent)
 # transformers' sliding-window cache layers make a tensor on the default device when they are built and move it to
 # the model's device on first use: harmless on a GPU, impossible from "meta" (it has no data to copy). For the
 # families with sliding-window layers only the tensors our own code makes are sent to "meta".
@@ -42,8 +39,8 @@ PLAN = {1: 0.6, 2: 0.0, 3: 0.3}  # a bypass with α folded into o_proj (or Gemma
 LAYERS = sorted(PLAN)
 
 
-def windows(n=2, t=16, seed=0) -> torch.Tensor:
-    return torch.randint(3, 128, (n, t), generator=torch.Generator().manual_seed(seed), device="cpu")
+def windows(n=2, t=16, seed=0, device="cpu") -> torch.Tensor:
+    return torch.randint(3, 128, (n, t), generator=torch.Generator().manual_seed(seed), device="cpu").to(device)
 
 
 def requests() -> list[tuple[list[int], list[int]]]:
@@ -60,34 +57,11 @@ def harp_copy(model, bypass: str):
 
 
 # ---------------------------------------------------------------------------------------------- default device
-def _called_from(roots: tuple[str, ...]) -> bool:
-    """Whether the factory call being dispatched was made by code under `roots` (directly, or through torch, as
-    nn.Linear(...) calls torch.empty)."""
-    frame = sys._getframe(2)  # the caller of __torch_function__
-    while frame is not None and frame.f_code.co_filename.startswith(TORCH):
-        frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(roots)
-
-
-class _OnMetaWhenMadeBy(TorchFunctionMode):
-    """torch.set_default_device("meta") for the factory calls made by code under `roots` only."""
-
-    def __init__(self, roots: tuple[str, ...]):
-        super().__init__()
-        self.roots = roots
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _device_constructors() and kwargs.get("device") is None and _called_from(self.roots):
-            kwargs = {**kwargs, "device": "meta"}
-        return func(*args, **kwargs)
-
-
 @contextmanager
 def default_device_meta(everywhere: bool, roots: tuple[str, ...] = (OURS,)):
     """Tensors made without `device=` land on "meta": every one of them (`everywhere`), or those made by `roots`."""
     if not everywhere:
-        with _OnMetaWhenMadeBy(roots):
+        with OnMetaWhenMadeBy(roots):
             yield
         return
     before = torch.get_default_device()
@@ -102,19 +76,20 @@ def _frame(df, columns):
     return {c: torch.tensor(df[c].to_numpy(), device="cpu") for c in columns}
 
 
-def devices(model) -> list[int]:
-    """1 per parameter or buffer of `model` on the CPU, 0 per other one."""
-    return [int(t.device.type == "cpu") for t in [*model.parameters(), *model.buffers()]]
+def devices(model, device: torch.device) -> list[int]:
+    """1 per parameter or buffer of `model` on `device`, 0 per other one."""
+    return [int(t.device == device) for t in [*model.parameters(), *model.buffers()]]
 
 
-def everything(dense) -> dict:
+def everything(dense, device: torch.device) -> dict:
     """What HARP, the α search, the scorers, the NLL paths, fidelity and the KV/timing helpers compute on `dense`
-    (left unchanged), as tensors and numbers; every tensor the model's (the CPU's)."""
-    ids, reqs, kw = windows(), requests(), dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    (left unchanged, on `device`), as tensors and numbers; every tensor the model's, or the CPU's for the numbers
+    that pandas held."""
+    ids, reqs, kw = windows(device=device), requests(), dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     harp, mean = harp_copy(dense, "identity"), harp_copy(dense, "mean")
-    mask = torch.ones(2, 16, dtype=torch.long, device="cpu")
+    mask = torch.ones(2, 16, dtype=torch.long, device=device)
     mask[1, 12:] = 0  # right padding: the running means must skip it
-    out = {"devices": devices(harp) + devices(mean)}  # the new modules (folded o_proj, α buffer) too
+    out = {"devices": devices(harp, device) + devices(mean, device)}  # the new modules (folded o_proj, α buffer) too
     with torch.no_grad():
         out |= {"harp_logits": harp(ids).logits, "mean_logits": mean(ids, attention_mask=mask).logits}
     out |= {"generate": harp.generate(ids[:1, :6], **kw), "generate_mean": mean.generate(ids[:1, :6], **kw)}
@@ -131,7 +106,7 @@ def everything(dense) -> dict:
     out["fidelity"] = _frame(fidelity_windows(dense, harp, ids, progress=False), ["kl", "top1_agreement", "nll"])
     out["fidelity_states"] = _frame(fidelity_windows(dense, mean, ids, progress=False,
                                                      ref_states=reference_states(dense, ids)), ["kl", "delta_nll"])
-    prompt = random_prompt(128, 8, seed=0, device=torch.device("cpu"))
+    prompt = random_prompt(128, 8, seed=0, device=device)
     _, first = prefill(harp, prompt)
     _, token = decode_step(harp, first.logits[:, -1:].argmax(-1), first.cache)
     out["kv"] = (prompt, token, kv_cache_bytes(first.cache), prompt_kv_bytes(mean, 8),
@@ -141,12 +116,12 @@ def everything(dense) -> dict:
     return out
 
 
-def test_no_tensor_of_ours_is_made_on_the_default_device(family):
-    dense = make_tiny(family)
-    expected = everything(dense)
+def test_no_tensor_of_ours_is_made_on_the_default_device(family, device):
+    dense = make_tiny(family, device=device)
+    expected = everything(dense, device)
     assert all(expected["devices"])
     with default_device_meta(everywhere=family not in SLIDING):
-        got = everything(dense)
+        got = everything(dense, device)
     assert torch.get_default_device().type == "cpu"  # restored
     assert_close(got, expected)  # values and devices: a tensor left on "meta" fails here, if nothing raised before
 
@@ -170,6 +145,13 @@ def test_the_check_catches_a_tensor_made_without_device(everywhere):
     assert_close(fine, torch.ones(3))
 
 
+def test_a_device_test_on_the_cpu_makes_its_tensors_without_device_on_meta(device):
+    """conftest's stand-in for a GPU run: on the CPU, a tensor that a test taking `device` (or harp_src under it)
+    makes without `device=` lands on "meta", so it fails as it would beside a CUDA model; on a GPU it is the CPU's."""
+    assert torch.zeros(2).device.type == ("meta" if device.type == "cpu" else "cpu")
+    assert torch.zeros(2, device=device).device == device
+
+
 # ---------------------------------------------------------------------------------------------- bf16
 # bf16 keeps 8 significant bits: every weight and activation is rounded by up to 2^-8 ≈ 0.4 % of itself. Through 4
 # layers of ~10 rounded operations each, the tiny models' logits move by 0.5–2.5 % of their largest value (measured:
@@ -184,16 +166,16 @@ LOGPROB_TOL = 0.02
 F32_SUM = dict(rtol=1e-6, atol=1e-6)
 
 
-def bf16_pair(family):
-    dense = make_tiny(family)
+def bf16_pair(family, device):
+    dense = make_tiny(family, device=device)
     return dense, copy.deepcopy(dense).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("bypass", ["identity", "mean"])
-def test_bf16_harp_follows_fp32(family, bypass):
-    dense, dense16 = bf16_pair(family)
+def test_bf16_harp_follows_fp32(family, bypass, device):
+    dense, dense16 = bf16_pair(family, device)
     harp, harp16 = harp_copy(dense, bypass), harp_copy(dense16, bypass)
-    ids = windows(t=24)
+    ids = windows(t=24, device=device)
     mask = torch.ones_like(ids)
     mask[1, 18:] = 0  # right padding, which the mean bypass's running sums must skip in bf16 too
     with torch.no_grad():
@@ -205,10 +187,10 @@ def test_bf16_harp_follows_fp32(family, bypass):
     assert (want - before)[real].abs().max() > 4 * atol  # what HARP does is far outside the tolerance
 
 
-def test_bf16_mean_bypass_keeps_its_running_sums_in_float32():
-    _, dense16 = bf16_pair("llama")
+def test_bf16_mean_bypass_keeps_its_running_sums_in_float32(device):
+    _, dense16 = bf16_pair("llama", device)
     mean16 = harp_copy(dense16, "mean")
-    ids = windows(n=1, t=10)
+    ids = windows(n=1, t=10, device=device)
     cache = DynamicCache(config=mean16.get_decoder().config)
     with torch.no_grad():
         mean16(ids[:, :8], cache=cache, use_cache=True)
@@ -216,18 +198,18 @@ def test_bf16_mean_bypass_keeps_its_running_sums_in_float32():
         whole = mean16(ids, use_cache=False).logits
     sums = [slot for slot in cache.layers if isinstance(slot, RunningMean)]
     assert len(sums) == 2 and all(s.sum.dtype == s.count.dtype == torch.float32 for s in sums)
-    assert_close(sums[0].count, torch.tensor([[10.0]]))
+    assert_close(sums[0].count, torch.tensor([[10.0]], device=device))
     # cached decoding follows the uncached forward (different shapes round differently in bf16)
     assert_close(step.float(), whole[:, 8:].float(), rtol=0, atol=LOGIT_TOL * whole.abs().max().item())
 
 
-def test_causal_mean_accumulates_in_float32():
+def test_causal_mean_accumulates_in_float32(device):
     """In bf16, 256 + 1 rounds back to 256: a bf16 cumulative sum of ones stalls there, and its mean of ones falls to
     0.25 by position 1024. The float32 sums give the float64 mean, rounded once to bf16 (rtol: one bf16 step)."""
-    ones = torch.ones(1, 1024, 4, dtype=torch.bfloat16)
+    ones = torch.ones(1, 1024, 4, dtype=torch.bfloat16, device=device)
     assert_close(causal_mean(ones, None), ones, rtol=0, atol=0)
-    v = torch.randn(2, 1024, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    exact = v.double().cumsum(1) / torch.arange(1, 1025, dtype=torch.float64)[None, :, None]
+    v = torch.randn(2, 1024, 8, generator=torch.Generator().manual_seed(0), device="cpu").to(device, torch.bfloat16)
+    exact = v.double().cumsum(1) / torch.arange(1, 1025, dtype=torch.float64, device=device)[None, :, None]
     got = causal_mean(v, None)
     assert got.dtype == torch.bfloat16
     assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)
@@ -238,11 +220,11 @@ def test_causal_mean_accumulates_in_float32():
 
 
 def _per_token(scores, reqs) -> torch.Tensor:
-    return torch.tensor([lp / len(cont) for (lp, _), (_, cont) in zip(scores, reqs, strict=True)])
+    return torch.tensor([lp / len(cont) for (lp, _), (_, cont) in zip(scores, reqs, strict=True)], device="cpu")
 
 
-def test_bf16_fast_scorer_follows_fp32_and_softmaxes_in_float32(family, monkeypatch):
-    dense, dense16 = bf16_pair(family)
+def test_bf16_fast_scorer_follows_fp32_and_softmaxes_in_float32(family, monkeypatch, device):
+    dense, dense16 = bf16_pair(family, device)
     harp, harp16 = harp_copy(dense, "identity"), harp_copy(dense16, "identity")
     reqs = requests()
     seen = []
@@ -266,32 +248,33 @@ def test_bf16_fast_scorer_follows_fp32_and_softmaxes_in_float32(family, monkeypa
         assert_close(out, F.log_softmax(ad.head_logits(normed).float(), dim=-1))
 
 
-def test_bf16_nll_accumulates_in_float32(family):
+def test_bf16_nll_accumulates_in_float32(family, device):
     """Every NLL path (perplexity, the α search's cached boundaries, token_nll) of a bf16 model equals the NLL of its
     logits upcast to float32."""
-    _, dense16 = bf16_pair(family)
-    ids = windows(t=32)
+    _, dense16 = bf16_pair(family, device)
+    ids = windows(t=32, device=device)
     with torch.no_grad():
         logits = dense16(ids).logits
     assert logits.dtype == torch.bfloat16
-    exact = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    exact = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none").cpu()
     total, count = nll_sum(dense16, ids, batch_size=1, progress=False)
     assert count == exact.numel()
-    assert_close(torch.tensor(total), exact.sum(), **F32_SUM)
+    assert_close(torch.tensor(total, device="cpu"), exact.sum(), **F32_SUM)
     assert_close(math.log(perplexity(dense16, ids, progress=False)), exact.mean().item(), **F32_SUM)
-    assert_close(torch.tensor(Boundaries(dense16, ids, 2, chunk=8).nll_from(0)[0]), exact.sum(), **F32_SUM)
+    assert_close(torch.tensor(Boundaries(dense16, ids, 2, chunk=8).nll_from(0)[0], device="cpu"), exact.sum(),
+                 **F32_SUM)
     nll = next_token_nll(logits, ids)
     assert nll.dtype == token_nll(logits[:, :1], ids[:, :1]).dtype == torch.float32
-    assert_close(nll, exact)
+    assert_close(nll.cpu(), exact)
 
 
-def test_bf16_fidelity_follows_fp32(family):
-    dense, dense16 = bf16_pair(family)
+def test_bf16_fidelity_follows_fp32(family, device):
+    dense, dense16 = bf16_pair(family, device)
     harp, harp16 = harp_copy(dense, "identity"), harp_copy(dense16, "identity")
-    ids = windows(t=32)
+    ids = windows(t=32, device=device)
     want = fidelity_windows(dense, harp, ids, progress=False)
     got = fidelity_windows(dense16, harp16, ids, progress=False)
-    cols = lambda df, c: torch.tensor(df[c].to_numpy())  # noqa: E731
+    cols = lambda df, c: torch.tensor(df[c].to_numpy(), device="cpu")  # noqa: E731
     # KL of HARP from dense is ~0.005 nats here; bf16 moves it by < 1 % (measured 0.5 %): 5 % allowed. The NLLs
     # (~4.9 nats) and their difference move by ≤ 1.1e-3 (measured): 5e-3 allowed. Top-1 agreement counts 31
     # predictions per window, near ties in a random model's almost uniform distribution: two may flip.
@@ -302,4 +285,4 @@ def test_bf16_fidelity_follows_fp32(family):
     with torch.no_grad():  # the bf16 models' NLLs come from their logits log-softmaxed in float32
         for m, c in ((dense16, "nll_reference"), (harp16, "nll")):
             per = F.cross_entropy(m(ids).logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
-            assert_close(cols(got, c), per.double().mean(1), **F32_SUM)
+            assert_close(cols(got, c), per.double().mean(1).cpu(), **F32_SUM)
