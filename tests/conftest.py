@@ -168,16 +168,21 @@ def device(request) -> torch.device:
 NBVAL_STATE = "HARP_TEST_NBVAL_STATE"
 
 
-def pytest_configure(config):
+def check_device(value: str | None) -> None:
+    """Refuse a `--device` that pytest cannot run the device tests on, in one line, before anything is collected."""
     try:
-        where = run_device(config)
+        where = torch.device(value or "cpu")
     except RuntimeError:
         where = None
     if where is None or where.type not in ("cpu", "cuda"):
-        raise pytest.UsageError(f"--device {config.getoption('--device')!r}: give cpu, cuda or cuda:N")
+        raise pytest.UsageError(f"--device {value!r}: give cpu, cuda or cuda:N")
     if where.type == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError(f"--device {where}: torch {torch.__version__} sees no CUDA device; run on a machine "
                                 "with an NVIDIA GPU and a CUDA build of torch, or leave --device out")
+
+
+def pytest_configure(config):
+    check_device(config.getoption("--device"))
     if "PYTEST_XDIST_WORKER" not in os.environ:
         os.environ[NBVAL_STATE] = tempfile.mkdtemp(prefix="harp-nbval-")
         # nbval's notebooks are one run, as the runner's are: a step one stored (09's and 10's α searches are 06's)

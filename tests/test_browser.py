@@ -71,7 +71,11 @@ def test_jupyterlab_renders_an_executed_notebook(tmp_path):
             browser.close()
     finally:
         server.terminate()
-        server.wait(timeout=30)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # seen once: stuck "Shutting down 4 extensions" after SIGTERM, on the EPYC
+            server.kill()
+            server.wait(timeout=30)
     assert cells >= 3 and images >= 1, f"{notebook.name}: {cells} cells, {images} images rendered"
     assert dialogs == 0, f"JupyterLab showed {dialogs} dialog(s) opening {notebook.name}"
     assert (tmp_path / "notebook.png").stat().st_size > 10_000

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import check_device
 from harp_src import runner
 from harp_src.report.params import StudyParams, parameter_spec, parameters_source
 
@@ -178,7 +179,8 @@ def test_device_option_collects_only_the_tests_that_take_a_device():
                                                                            reason="this machine has CUDA")),
 ])
 def test_a_device_pytest_cannot_use_is_refused_in_one_line(name, message):
-    done = collect("--device", name, "tests/test_harp.py")
-    assert done.returncode != 0 and "collected" not in done.stdout
-    errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("ERROR")]
-    assert len(errors) == 1 and errors[0].startswith(f"ERROR: {message}"), done.stdout + done.stderr
+    with pytest.raises(pytest.UsageError) as refused:
+        check_device(name)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+    for fine in (None, "cpu"):
+        check_device(fine)
