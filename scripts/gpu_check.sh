@@ -13,10 +13,14 @@ PY=${PYTHON:-.venv/bin/python}
 TIMING=${TIMING_PROFILE:-gpu-timing}
 PARTS=${GPU_CHECK_PARTS:-tests quick timing}
 die() { echo "gpu_check: $*" >&2; exit 1; }
+set -f  # the parts are words, never file patterns
 for part in $PARTS; do
   case $part in tests|quick|timing) ;; *) die "GPU_CHECK_PARTS: unknown part '$part' (choose among: tests quick timing)";; esac
 done
-[ -n "${PARTS// }" ] || die "GPU_CHECK_PARTS is empty (choose among: tests quick timing)"
+set +f
+[[ $PARTS = *[![:space:]]* ]] || die "GPU_CHECK_PARTS is empty (choose among: tests quick timing)"
+# the test files with tests that take `device` (tests/test_paper_profile.py checks this list against pytest's)
+DEVICE_TESTS="tests/test_harp.py tests/test_keep_heads.py tests/test_mean_bypass.py tests/test_precision.py"
 runs() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # ---- CUDA or nothing: each check fails in one line before anything runs or is written
@@ -38,7 +42,8 @@ mkdir -p "$OUT"
 # ---- the runs: a failed test or notebook is reported, not fatal
 status=0
 if runs tests; then
-  "$PY" -m pytest -q -p no:cacheprovider --device cuda tests 2>&1 | tee "$OUT/tests-cuda.log" || status=1
+  # shellcheck disable=SC2086  # four file names, no spaces
+  "$PY" -m pytest -q -p no:cacheprovider --device cuda $DEVICE_TESTS 2>&1 | tee "$OUT/tests-cuda.log" || status=1
 fi
 if runs quick; then
   "$PY" -m harp_src.runner --profile quick-cuda 2>&1 | tee "$OUT/quick-cuda.log" || status=1
@@ -59,12 +64,16 @@ fi
   echo "- $VERSIONS; commit $COMMIT"
   echo "- \`scripts/gpu_check.sh\` (GPU_CHECK_PARTS=\"$PARTS\", TIMING_PROFILE=$TIMING); exit status $status"
   if runs tests; then
-    echo; echo "## \`pytest --device cuda tests\`: exact invariants and precision on tiny models"; echo; echo '```'
-    grep -E '^(FAILED|ERROR)|(passed|failed|error|skipped|deselected)' "$OUT/tests-cuda.log" | tail -n 40 || true
+    echo; echo "## \`pytest --device cuda\`: exact invariants and precision on tiny models"; echo; echo '```'
+    if grep -q 'short test summary info' "$OUT/tests-cuda.log"; then
+      sed -n '/short test summary info/,$p' "$OUT/tests-cuda.log"
+    else
+      tail -n 1 "$OUT/tests-cuda.log"
+    fi
     echo '```'
   fi
   for log in quick-cuda "timing-$TIMING"; do
-    [ -f "$OUT/$log.log" ] || continue
+    if [ "$log" = quick-cuda ]; then runs quick || continue; else runs timing || continue; fi
     echo; echo "## \`$log\`: the runner's summary"; echo; echo '```'
     sed -n '/^notebook /,$p' "$OUT/$log.log"
     echo '```'

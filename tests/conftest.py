@@ -94,18 +94,20 @@ def pytest_addoption(parser):
                      "invariants and precision checks on tiny models), on this torch device: cpu, cuda or cuda:N")
 
 
-TORCH = str(Path(torch.__file__).resolve().parent)
-OURS = (str(Path(harp_src.__file__).resolve().parent), str(Path(__file__).resolve().parent))  # harp_src, tests
+TORCH = str(Path(torch.__file__).resolve().parent) + os.sep
+OURS = tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (harp_src, sys.modules[__name__]))
 
 
-def called_from(roots: tuple[str, ...]) -> bool:
-    """Whether the factory call being dispatched was made by code under `roots` (directly, or through torch, as
-    nn.Linear(...) calls torch.empty; another mode's dispatch in between is looked through)."""
+def caller_in(roots: tuple[str, ...]) -> str | None:
+    """"file:line" of the code under `roots` that made the factory call being dispatched (directly, or through
+    torch, as nn.Linear(...) calls torch.empty; another mode's dispatch in between is looked through), else None."""
     frame = sys._getframe(2)  # the caller of __torch_function__
     while frame is not None and (frame.f_code.co_filename.startswith(TORCH)
                                  or frame.f_code.co_name == "__torch_function__"):
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(roots)
+    if frame is None or not frame.f_code.co_filename.startswith(roots):
+        return None
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
 
 
 class OnMetaWhenMadeBy(TorchFunctionMode):
@@ -117,18 +119,34 @@ class OnMetaWhenMadeBy(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _device_constructors() and kwargs.get("device") is None and called_from(self.roots):
+        if func in _device_constructors() and kwargs.get("device") is None and caller_in(self.roots):
             kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+class NoDevicelessTensors(TorchFunctionMode):
+    """Refuses a factory call made without `device=` by code under `roots`: on a GPU run that tensor would sit on
+    the CPU, beside the models."""
+
+    def __init__(self, roots: tuple[str, ...]):
+        super().__init__()
+        self.roots = roots
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _device_constructors() and kwargs.get("device") is None and (where := caller_in(self.roots)):
+            raise RuntimeError(f"{where}: {getattr(func, '__name__', func)}(...) without device= would make a CPU "
+                               "tensor on a GPU run: give it the model's (or the input's) device")
         return func(*args, **kwargs)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    """On the CPU a test that takes `device` runs with every tensor that it or harp_src makes without `device=` sent
-    to "meta": a stand-in for a GPU run, where such a tensor would sit on the CPU beside a CUDA model and fail there.
-    (A tensor meant for the CPU, beside numbers pandas held, says device="cpu".)"""
+    """On the CPU a test that takes `device` stands in for a GPU run: a tensor that it or harp_src makes without
+    `device=` is refused, where on a GPU it would sit on the CPU beside a CUDA model. (A tensor meant for the CPU,
+    beside numbers pandas held, says device="cpu".)"""
     if takes_device(item) and run_device(item.config).type == "cpu":
-        with OnMetaWhenMadeBy(OURS):
+        with NoDevicelessTensors(OURS):
             yield
     else:
         yield
@@ -156,9 +174,9 @@ def pytest_collection_modifyitems(config, items):
 def device(request) -> torch.device:
     """The torch device of `--device` (default cpu), with its index (cuda -> cuda:0), as tensors report theirs."""
     where = run_device(request.config)
-    if where.type == "cuda" and where.index is None:
-        where = torch.device("cuda", torch.cuda.current_device())
-    return where
+    if where.type == "cpu":
+        return torch.device("cpu")  # tensors report "cpu", never "cpu:0"
+    return where if where.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 # ---------------------------------------------------------------------------------------------- nbval across workers
@@ -179,6 +197,9 @@ def check_device(value: str | None) -> None:
     if where.type == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError(f"--device {where}: torch {torch.__version__} sees no CUDA device; run on a machine "
                                 "with an NVIDIA GPU and a CUDA build of torch, or leave --device out")
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        raise pytest.UsageError(f"--device {where}: torch sees {torch.cuda.device_count()} CUDA device(s), "
+                                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
 
 
 def pytest_configure(config):

@@ -161,15 +161,19 @@ def collect(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_device_option_collects_only_the_tests_that_take_a_device():
-    """`pytest --device D` (what scripts/gpu_check.sh runs with cuda) keeps exactly the tests that ask for `device`:
-    in test_harp.py the six exact invariants, not the bad-input, plan or paper checks."""
-    done = collect("--device", "cpu", "tests/test_harp.py")
+    """`pytest --device D` keeps exactly the tests that ask for `device`: in test_harp.py the six exact invariants,
+    not the bad-input, plan or paper checks; and the files holding them are those scripts/gpu_check.sh runs."""
+    done = collect("--device", "cpu", "tests")
     assert done.returncode == 0, done.stdout + done.stderr
-    kept = {line.split("::")[1].split("[")[0] for line in done.stdout.splitlines() if "::" in line}
-    assert kept == {"test_bypass_equals_identity_attention", "test_alpha_one_on_one_token_is_dense",
-                    "test_alpha_zero_drops_the_attention_sublayer", "test_folded_equals_unfolded",
-                    "test_eager_equals_sdpa", "test_cached_decoding_equals_uncached"}
+    kept = [line.split("::") for line in done.stdout.splitlines() if "::" in line]
+    assert {name.split("[")[0] for path, name in kept if path == "tests/test_harp.py"} == {
+        "test_bypass_equals_identity_attention", "test_alpha_one_on_one_token_is_dense",
+        "test_alpha_zero_drops_the_attention_sublayer", "test_folded_equals_unfolded", "test_eager_equals_sdpa",
+        "test_cached_decoding_equals_uncached"}
     assert "deselected" in done.stdout.splitlines()[-1]
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    listed = script.split('DEVICE_TESTS="', 1)[1].split('"', 1)[0].split()
+    assert sorted(listed) == sorted({path for path, _ in kept})
 
 
 @pytest.mark.parametrize("name,message", [

@@ -145,10 +145,13 @@ def test_the_check_catches_a_tensor_made_without_device(everywhere):
     assert_close(fine, torch.ones(3))
 
 
-def test_a_device_test_on_the_cpu_makes_its_tensors_without_device_on_meta(device):
+def test_a_device_test_on_the_cpu_refuses_a_tensor_made_without_device(device):
     """conftest's stand-in for a GPU run: on the CPU, a tensor that a test taking `device` (or harp_src under it)
-    makes without `device=` lands on "meta", so it fails as it would beside a CUDA model; on a GPU it is the CPU's."""
-    assert torch.zeros(2).device.type == ("meta" if device.type == "cpu" else "cpu")
+    makes without `device=` is refused, as it would sit on the CPU beside a CUDA model."""
+    if device.type != "cpu":
+        pytest.skip("the stand-in is the CPU's: here the device itself checks")
+    with pytest.raises(RuntimeError, match=r"test_precision.py:\d+: zeros\(\.\.\.\) without device="):
+        torch.zeros(2)
     assert torch.zeros(2, device=device).device == device
 
 
