@@ -95,7 +95,7 @@ def pytest_addoption(parser):
 
 
 TORCH = str(Path(torch.__file__).resolve().parent) + os.sep
-OURS = tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (harp_src, sys.modules[__name__]))
+OURS = (str(Path(harp_src.__file__).resolve().parent) + os.sep, str(Path(__file__).resolve().parent) + os.sep)
 
 
 def caller_in(roots: tuple[str, ...]) -> str | None:
@@ -110,46 +110,23 @@ def caller_in(roots: tuple[str, ...]) -> str | None:
     return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
 
 
-class OnMetaWhenMadeBy(TorchFunctionMode):
-    """torch.set_default_device("meta") for the factory calls made by code under `roots` only."""
+class DevicelessTensors(TorchFunctionMode):
+    """The factory calls made without `device=` by code under `roots`: sent to `send_to` (as
+    torch.set_default_device would, for that code only), or refused where `send_to` is None, since on a GPU run
+    such a tensor would sit on the CPU, beside the models."""
 
-    def __init__(self, roots: tuple[str, ...]):
+    def __init__(self, roots: tuple[str, ...], send_to: str | None = None):
         super().__init__()
-        self.roots = roots
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _device_constructors() and kwargs.get("device") is None and caller_in(self.roots):
-            kwargs = {**kwargs, "device": "meta"}
-        return func(*args, **kwargs)
-
-
-class NoDevicelessTensors(TorchFunctionMode):
-    """Refuses a factory call made without `device=` by code under `roots`: on a GPU run that tensor would sit on
-    the CPU, beside the models."""
-
-    def __init__(self, roots: tuple[str, ...]):
-        super().__init__()
-        self.roots = roots
+        self.roots, self.send_to = roots, send_to
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _device_constructors() and kwargs.get("device") is None and (where := caller_in(self.roots)):
-            raise RuntimeError(f"{where}: {getattr(func, '__name__', func)}(...) without device= would make a CPU "
-                               "tensor on a GPU run: give it the model's (or the input's) device")
+            if self.send_to is None:
+                raise RuntimeError(f"{where}: {getattr(func, '__name__', func)}(...) without device= would make a "
+                                   "CPU tensor on a GPU run: give it the model's (or the input's) device")
+            kwargs = {**kwargs, "device": self.send_to}
         return func(*args, **kwargs)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    """On the CPU a test that takes `device` stands in for a GPU run: a tensor that it or harp_src makes without
-    `device=` is refused, where on a GPU it would sit on the CPU beside a CUDA model. (A tensor meant for the CPU,
-    beside numbers pandas held, says device="cpu".)"""
-    if takes_device(item) and run_device(item.config).type == "cpu":
-        with NoDevicelessTensors(OURS):
-            yield
-    else:
-        yield
 
 
 def run_device(config) -> torch.device:
@@ -168,6 +145,18 @@ def pytest_collection_modifyitems(config, items):
     chosen = [item for item in items if takes_device(item)]
     config.hook.pytest_deselected(items=[item for item in items if not takes_device(item)])
     items[:] = chosen
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """On the CPU a test that takes `device` stands in for a GPU run: a tensor that it or harp_src makes without
+    `device=` is refused, where on a GPU it would sit on the CPU beside a CUDA model. (A tensor meant for the CPU,
+    beside numbers pandas held, says device="cpu".)"""
+    if takes_device(item) and run_device(item.config).type == "cpu":
+        with DevicelessTensors(OURS):
+            yield
+    else:
+        yield
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from torch.testing import assert_close
 from transformers import DynamicCache
 
 import harp_src
-from conftest import OnMetaWhenMadeBy, make_tiny
+from conftest import DevicelessTensors, make_tiny
 from harp_src import apply_harp, perplexity, search_alphas
 from harp_src.eval import scoring
 from harp_src.eval.fidelity import fidelity_windows, reference_states
@@ -61,7 +61,7 @@ def harp_copy(model, bypass: str):
 def default_device_meta(everywhere: bool, roots: tuple[str, ...] = (OURS,)):
     """Tensors made without `device=` land on "meta": every one of them (`everywhere`), or those made by `roots`."""
     if not everywhere:
-        with OnMetaWhenMadeBy(roots):
+        with DevicelessTensors(roots, send_to="meta"):
             yield
         return
     before = torch.get_default_device()
