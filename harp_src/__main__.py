@@ -123,8 +123,8 @@ def cmd_prune(args) -> dict:
     check_plan_target(args.out)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     layers = check_layers(get_adapter(model), args.layers)
-    check_kv_kept(get_adapter(model), layers, args.bypass)
-    keep = check_keep_for(get_adapter(model), layers, keep, args.bypass)
+    keep = check_keep_for(get_adapter(model), layers, keep)
+    check_kv_kept(get_adapter(model), layers, args.bypass, keep)
     out = {"model": model_info(model), "layers": layers}
     if args.ppl:
         out["ppl_before"] = _ppl(model, tok, args)
@@ -176,8 +176,8 @@ def cmd_search(args) -> dict:
     check_plan_target(args.out)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     layers = check_layers(get_adapter(model), args.layers)
-    check_kv_kept(get_adapter(model), layers, args.bypass)
-    keep = check_keep_for(get_adapter(model), layers, keep, args.bypass)
+    keep = check_keep_for(get_adapter(model), layers, keep)
+    check_kv_kept(get_adapter(model), layers, args.bypass, keep)
     calib = ppl_windows(tok, args.corpus, "train", args.n_windows, args.seq_len, args.seed)
     out = {"model": model_info(model), "layers": layers, "calib": f"{args.corpus}/train", "n_windows": args.n_windows,
            "seq_len": args.seq_len, "seed": args.seed}
@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--no-fold", action="store_true", help="keep the repeat and α outside the weights")
     prune.add_argument("--bypass", default="identity", help="identity (HARP) or mean (the causal-mean bypass)")
     prune.add_argument("--keep-heads", nargs="+", metavar="LAYER:HEADS",
-                       help="query heads a bypassed layer keeps, e.g. 22:3,4,5 23:1 (identity bypass)")
+                       help="query heads a bypassed layer keeps, e.g. 22:3,4,5 23:1 (the others take --bypass)")
     prune.add_argument("--ppl", action="store_true", help="also measure test PPL before and after")
     prune.add_argument("--out", help="write the plan (JSON) here")
     prune.add_argument("--save", help="write the pruned model here as a checkpoint (from_pretrained loads it); "

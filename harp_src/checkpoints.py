@@ -44,8 +44,9 @@ from .report.files import (
 # folder is somebody's, and the folder is never replaced.
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
                     "model.safetensors.index.json", "modeling_harp.py", "modeling_harp_checks.py",
-                    "modeling_harp_keep.py", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+                    "modeling_harp_keep.py", "modeling_harp_mean.py", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+                    "added_tokens.json")
 # The registry of plan kinds a checkpoint's config.json can carry (`harp_plan`: {kind: dict}), filled here, where
 # checkpoints are loaded, so restoring a plan never depends on which modules happen to have been imported.
 PLAN_KINDS: dict[str, type] = {"harp": HarpPlan, "baseline": PruneRecord}

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from test_mean_bypass import left_padded, uniform_causal_matrix
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.llama.modeling_llama import repeat_kv
@@ -23,6 +24,7 @@ from harp_src.method.search import search_alphas
 from harp_src.model.adapter import get_adapter
 from harp_src.model.loading import resolve_source
 from harp_src.model.modeling_harp_keep import head_layout
+from harp_src.model.modeling_harp_mean import RunningMean, WithRunningMean
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 ALPHAS = {1: 0.6, 3: 0.3}
@@ -47,10 +49,11 @@ def restricted(attn, keep: list[int], head_dim: int):
     return o
 
 
-def kept_heads_reference(model, alphas: dict, keep: dict):
+def kept_heads_reference(model, alphas: dict, keep: dict, real: torch.Tensor | None = None):
     """The dense model with each layer's attention written independently of the library: the dense attention module
     with the o columns of bypassed heads zeroed, plus α · o_proj(repeat_kv(v)) over the bypassed heads' columns only
-    (α before Gemma's output norm)."""
+    (α before Gemma's output norm); with `real` [B, T] (1 real, 0 padding) the mean bypass: v first mixed by the
+    explicit uniform causal matrix over the real tokens."""
     ad = get_adapter(model)
     for i, a in alphas.items():
         attn = ad.attention(i)
@@ -65,6 +68,8 @@ def kept_heads_reference(model, alphas: dict, keep: dict):
             out = kept(**kwargs)[0]
             b, t, _ = x.shape
             v = repeat_kv(mod.v_proj(x).view(b, t, ad.n_kv_heads, ad.head_dim).transpose(1, 2), ad.n_rep)
+            if real is not None:
+                v = uniform_causal_matrix(real)[:, None] @ v
             return out + a * bypass(v.transpose(1, 2).reshape(b, t, -1)), None
 
         attn.register_forward_hook(hook, with_kwargs=True)
@@ -103,9 +108,32 @@ def test_kept_heads_attend_as_dense_and_the_others_pass_their_value(family, keep
         assert_close(logits(model, x), logits(ref, x, use_cache=False), **TOL)
 
 
-def test_cached_decoding_equals_the_full_forward(family, device):
+MEAN_KEEP = {1: [0, 1, 2], 2: [3], 3: [1]}  # Gemma's layer 2 has a sliding window (of 8), layers 1 and 3 do not
+MEAN_ALPHAS = {1: 0.6, 2: 0.5, 3: 0.3}
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_under_the_mean_bypass_the_other_heads_pass_the_causal_mean_of_their_values(family, fold, device):
+    """Left-padded, past Gemma's window: kept heads attend as dense, the others read the mean value of the real
+    positions up to them, and a padded sequence gets the logits it gets alone."""
+    short, long = ids(1, 6, seed=1, device=device)[0], ids(1, 11, seed=2, device=device)[0]
+    x, mask = left_padded([short, long])
+    ref = kept_heads_reference(make_tiny(family, device=device), MEAN_ALPHAS, MEAN_KEEP, real=mask)
     model = make_tiny(family, device=device)
-    apply_harp(model, list(ALPHAS), ALPHAS, keep_heads={1: [0, 1, 2], 3: [2]})
+    apply_harp(model, list(MEAN_ALPHAS), MEAN_ALPHAS, fold=fold, bypass="mean", keep_heads=MEAN_KEEP)
+    real = mask.bool()
+    for attn in ("eager", "sdpa"):
+        for m in (ref, model):
+            m.set_attn_implementation(attn if family != "gemma2" else "eager")
+        got = logits(model, x, attention_mask=mask)
+        assert_close(got[real], logits(ref, x, attention_mask=mask, use_cache=False)[real], **TOL)
+        assert_close(got[0, -6:], logits(model, short[None])[0], **TOL)
+
+
+@pytest.mark.parametrize("bypass", ["identity", "mean"])
+def test_cached_decoding_equals_the_full_forward(family, bypass, device):
+    model = make_tiny(family, device=device)
+    apply_harp(model, list(MEAN_ALPHAS), MEAN_ALPHAS, bypass=bypass, keep_heads=MEAN_KEEP)
     x = ids(2, 12, device=device)
     full = logits(model, x)
     with torch.no_grad():
@@ -115,11 +143,17 @@ def test_cached_decoding_equals_the_full_forward(family, device):
             out = model(x[:, t:t + 1], cache=out.past_key_values, use_cache=True)
             steps.append(out.logits[:, -1])
     assert_close(torch.stack(steps[:-1], 1), full[:, 5:11], **TOL)
+    slots = [out.past_key_values.layers[i] for i in MEAN_KEEP]
+    assert all(isinstance(s, WithRunningMean) == (bypass == "mean") for s in slots)
+    if bypass == "mean":  # the K/V slot also carries the bypassed heads' sums over all 12 tokens
+        for slot in slots:
+            assert_close(slot.running.count, torch.full((2, 1), 12.0, device=device))
 
 
-def test_generation_with_padding_and_beams_matches_without_cache(family, device):
+@pytest.mark.parametrize("bypass", ["identity", "mean"])
+def test_generation_with_padding_and_beams_matches_without_cache(family, bypass, device):
     model = make_tiny(family, device=device)
-    apply_harp(model, list(ALPHAS), ALPHAS, keep_heads={1: [0, 1, 2], 3: [2]})
+    apply_harp(model, list(MEAN_ALPHAS), MEAN_ALPHAS, bypass=bypass, keep_heads=MEAN_KEEP)
     x = ids(2, 8, device=device)
     mask = torch.ones_like(x)
     x[0, :3], mask[0, :3] = 0, 0  # left padding
@@ -140,10 +174,11 @@ def kv_groups_kept(ad, keep: dict) -> list[int]:
             for i in range(ad.n_layers)]
 
 
-def test_kv_bytes_and_parameters_are_what_remains(family, device):
+@pytest.mark.parametrize("bypass", ["identity", "mean"])  # the mean's running sums are no K/V and no parameters
+def test_kv_bytes_and_parameters_are_what_remains(family, bypass, device):
     dense, model = make_tiny(family, device=device), make_tiny(family, device=device)
     keep = {1: [0, 1], 3: [3]}
-    plan = apply_harp(model, list(ALPHAS), ALPHAS, fold=False, keep_heads=keep)
+    plan = apply_harp(model, list(ALPHAS), ALPHAS, fold=False, bypass=bypass, keep_heads=keep)
     ad, t = get_adapter(dense), 6  # below Gemma's sliding window of 8, so every layer caches every token
     with torch.no_grad():
         cache = model(ids(1, t, device=device), use_cache=True).past_key_values
@@ -176,16 +211,18 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(resolve_source("smollm2-135m")[0])
 
 
-@pytest.mark.parametrize("fold", [True, False])
-def test_plan_and_checkpoint_round_trip(family, fold, tokenizer, tmp_path):
+@pytest.mark.parametrize("fold,bypass", [(True, "identity"), (False, "identity"), (True, "mean")])
+def test_plan_and_checkpoint_round_trip(family, fold, bypass, tokenizer, tmp_path):
     model = make_tiny(family)
     keep = {1: [0, 1, 2], 3: [3]}
-    plan = apply_harp(model, [1, 2, 3], {1: 0.6, 2: 0.0, 3: 0.3}, fold=fold, keep_heads=keep)
+    plan = apply_harp(model, [1, 2, 3], {1: 0.6, 2: 0.0, 3: 0.3}, fold=fold, bypass=bypass, keep_heads=keep)
     plan.to_json(tmp_path / "plan.json")
     assert HarpPlan.from_json(tmp_path / "plan.json") == plan == model.harp_plan
     assert json.loads((tmp_path / "plan.json").read_text())["keep_heads"] == {"1": [0, 1, 2], "3": [3]}
     save_checkpoint(model, tmp_path / "ckpt", tokenizer)
-    assert (tmp_path / "ckpt" / "modeling_harp_keep.py").exists()
+    assert all((tmp_path / "ckpt" / f"modeling_harp_{part}.py").exists() for part in ("keep", "mean", "checks"))
+    structure = json.loads((tmp_path / "ckpt" / "config.json").read_text())["harp_structure"]
+    assert [e.get("mixing", "identity") for e in structure if e["kind"] == "keep"] == [bypass, bypass]
     loaded, _ = load_model(str(tmp_path / "ckpt"))
     remote = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", trust_remote_code=True)
     x = ids()
@@ -196,9 +233,10 @@ def test_plan_and_checkpoint_round_trip(family, fold, tokenizer, tmp_path):
     assert loaded.harp_plan == plan
 
 
-def test_a_kept_heads_checkpoint_loads_with_plain_transformers_in_a_fresh_process(tokenizer, tmp_path):
+@pytest.mark.parametrize("bypass", ["identity", "mean"])
+def test_a_kept_heads_checkpoint_loads_with_plain_transformers_in_a_fresh_process(bypass, tokenizer, tmp_path):
     model = make_tiny("qwen2")  # q/k/v biases: their rows are sliced with the heads
-    apply_harp(model, [1, 3], ALPHAS, keep_heads={1: [1], 3: [0, 3]})
+    apply_harp(model, [1, 3], ALPHAS, bypass=bypass, keep_heads={1: [1], 3: [0, 3]})
     save_checkpoint(model, tmp_path / "ckpt", tokenizer)
     torch.save(ids(), tmp_path / "ids.pt")
     script = ("import sys, torch\nsys.modules['harp_src'] = None\n"
@@ -210,6 +248,7 @@ def test_a_kept_heads_checkpoint_loads_with_plain_transformers_in_a_fresh_proces
     subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=tmp_path, timeout=300)
     assert_close(torch.load(tmp_path / "out.pt"), logits(model, ids()), rtol=0, atol=0)
     assert list((tmp_path / "modules").rglob("modeling_harp_keep.py"))
+    assert list((tmp_path / "modules").rglob("modeling_harp_mean.py"))
 
 
 def state(model) -> dict:
@@ -221,7 +260,6 @@ def state(model) -> dict:
     ({2: [0]}, "identity", "does not bypass"),
     ({1: [0, 0]}, "identity", "lists a head twice"),
     ({1: "0"}, "identity", "list of query head indices"),
-    ({1: [0]}, "mean", "identity bypass"),
     ([1, 0], "identity", "mapping"),
 ])
 def test_bad_kept_heads_are_refused_with_the_model_unchanged(keep, bypass, message):
@@ -245,7 +283,9 @@ def test_a_plan_whose_kept_heads_disagree_with_the_checkpoint_is_refused(tokeniz
                           (lambda c: c["harp_plan"]["harp"].pop("keep_heads"), r"layers\.1.*(bypass|keeps no head)"),
                           (lambda c: c["harp_plan"]["harp"].update(keep_heads={"1": [0, 1], "3": [2]}),
                            r"layer(s\.| )3.*(keep|\[2\])"),
-                          (lambda c: c["harp_structure"][0].update(heads=[0, 9]), r"layers\.1.*\[0, 9\]")):
+                          (lambda c: c["harp_structure"][0].update(heads=[0, 9]), r"layers\.1.*\[0, 9\]"),
+                          (lambda c: c["harp_plan"]["harp"].update(bypass="mean"), r"layers\.1.*mixing"),
+                          (lambda c: c["harp_structure"][0].update(mixing="median"), r"layers\.1.*mixing.*median")):
         config = json.loads(json.dumps(good))
         edit(config)
         path.write_text(json.dumps(config))
@@ -255,18 +295,41 @@ def test_a_plan_whose_kept_heads_disagree_with_the_checkpoint_is_refused(tokeniz
                 load()
 
 
+def test_the_mean_bypass_with_kept_heads_needs_a_dynamic_cache_and_one_kv_slot():
+    """Every layer mean-bypassed is refused unless one keeps heads (its K/V slot is transformers' ordinary slot);
+    caches that cannot carry the running sums, and cropping, are refused."""
+    model = make_tiny("llama")
+    before = state(model)
+    with pytest.raises(ValueError, match="at least one layer that keeps its attention or some of its heads"):
+        apply_harp(model, "0-3", 0.8, bypass="mean")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    apply_harp(model, "0-3", 0.8, bypass="mean", keep_heads={3: [1]})
+    x, kw = ids(1, 9), dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert model.generate(x, **kw).tolist() == model.generate(x, use_cache=False, **kw).tolist()
+    with pytest.raises(ValueError, match="a static cache, or one built without the config, is not supported"):
+        model.generate(x, cache_implementation="static", **kw)
+    with pytest.raises(ValueError, match="can be cropped"):  # transformers' own check: assisted decoding crops
+        model.generate(x, prompt_lookup_num_tokens=2, **kw)
+    with torch.no_grad():
+        cache = model(x, use_cache=True).past_key_values
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(-2)
+    assert isinstance(cache.layers[3].running, RunningMean) and cache.layers[3].get_seq_length() == 9
+
+
 # ---------------------------------------------------------------------------------------------- α search and CLI
-def test_search_with_kept_heads_cached_equals_naive():
+@pytest.mark.parametrize("bypass", ["identity", "mean"])
+def test_search_with_kept_heads_cached_equals_naive(bypass):
     model = make_tiny("llama")
     calib = ids(4, 24, seed=1)
     keep = {2: [1], 3: [0, 2]}
     h_cached, h_naive = [], []
-    cached = search_alphas(model, calib, [2, 3], keep_heads=keep, history=h_cached)
-    naive = search_alphas(model, calib, [2, 3], keep_heads=keep, history=h_naive, cache_prefix=False)
+    cached = search_alphas(model, calib, [2, 3], bypass=bypass, keep_heads=keep, history=h_cached)
+    naive = search_alphas(model, calib, [2, 3], bypass=bypass, keep_heads=keep, history=h_naive, cache_prefix=False)
     assert cached == naive
     assert_close([r["calib_ppl"] for r in h_cached], [r["calib_ppl"] for r in h_naive], rtol=1e-5, atol=0)
     plain = []
-    search_alphas(model, calib, [2, 3], history=plain)
+    search_alphas(model, calib, [2, 3], bypass=bypass, history=plain)
     assert [r["calib_ppl"] for r in plain] != [r["calib_ppl"] for r in h_cached]  # kept heads change every candidate
 
 
@@ -279,6 +342,10 @@ def test_cli_prunes_and_searches_with_kept_heads(tmp_path, capsys):
     assert main(["search", "--model", "smollm2-135m", "--layers", "top:1", "--grid", "0,1", "--n-windows", "1",
                  "--seq-len", "32", "--keep-heads", "29:4", "--out", str(tmp_path / "searched.json")]) == 0
     assert HarpPlan.from_json(tmp_path / "searched.json").keep_heads == {29: [4]}
+    assert main(["prune", "--model", "smollm2-135m", "--layers", "top:2", "--alphas", "0.5", "--bypass", "mean",
+                 "--keep-heads", "29:4", "--out", str(tmp_path / "mean.json")]) == 0
+    mean = HarpPlan.from_json(tmp_path / "mean.json")
+    assert mean.bypass == "mean" and mean.keep_heads == {29: [4]}
     capsys.readouterr()
     for bad, message in ((["29:9"], "out of range"), (["28:1"], "does not bypass"), (["29"], "LAYER:HEAD")):
         assert main(["prune", "--model", "smollm2-135m", "--layers", "top:1", "--keep-heads", *bad]) == 2
@@ -304,6 +371,13 @@ def test_smollm2_keeping_heads_is_exact():
     ad = get_adapter(dense)
     per_layer = [2 * 2 * 13 * g * ad.head_dim * 4 for g in [3] * 22 + [1, 1, 2] + [0] * 5]
     assert kv_bytes_per_layer(step.past_key_values) == per_layer
+    with harp_applied(dense, list(range(22, 30)), 0.7, bypass="mean", keep_heads=keep):  # the others averaged
+        full = logits(dense, x)
+        with torch.no_grad():
+            out = dense(x[:, :12], use_cache=True)
+            step = dense(x[:, 12:13], cache=out.past_key_values, use_cache=True)
+        assert_close(step.logits[:, -1], full[:, 12], rtol=1e-4, atol=1e-4)
+        assert kv_bytes_per_layer(step.past_key_values) == per_layer
 
 
 def test_kv_bytes_at_a_length_equal_what_a_prefill_of_it_caches(family):

@@ -18,7 +18,8 @@ from harp_src.measure.kv import kv_cache_bytes
 from harp_src.method.harp import harp_applied
 from harp_src.method.search import search_alphas
 from harp_src.model.adapter import get_adapter
-from harp_src.model.modeling_harp import STRUCTURE, RunningMean, causal_mean
+from harp_src.model.modeling_harp import STRUCTURE
+from harp_src.model.modeling_harp_mean import RunningMean, causal_mean
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 ALPHAS = {1: 0.7, 3: 0.3}

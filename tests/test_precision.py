@@ -27,7 +27,7 @@ from harp_src.eval.perplexity import nll_sum
 from harp_src.measure.kv import kv_cache_bytes, prompt_kv_bytes
 from harp_src.measure.timing import compare, decode_step, kv_bytes_formula, prefill, random_prompt
 from harp_src.method.prefix import Boundaries
-from harp_src.model.modeling_harp import RunningMean, causal_mean
+from harp_src.model.modeling_harp_mean import RunningMean, causal_mean
 from harp_src.model.nll import next_token_nll, token_nll
 
 OURS = str(Path(harp_src.__file__).resolve().parent)

@@ -127,6 +127,9 @@ def naive(model, requests):
     return out
 
 
+KEEP = {0: [1], 1: [0, 3]}  # kept heads: their K/V slots (with the mean, also its sums) are copied per row
+
+
 def synthetic_requests(seed: int, long: bool):
     """Multiple-choice groups (one context, several continuations), a few-shot block shared by half the documents,
     Winogrande-like pairs (contexts differing after a shared start), 1- to 3-token continuations."""
@@ -140,13 +143,15 @@ def synthetic_requests(seed: int, long: bool):
     return out + [(start + [5], [9, 10]), (start + [6, 7], [9, 10])]
 
 
-@pytest.mark.parametrize("pruned", [None, "identity", "mean"], ids=["dense", "harp", "harp-mean"])
+@pytest.mark.parametrize("pruned, keep", [(None, None), ("identity", None), ("mean", None), ("identity", KEEP),
+                                          ("mean", KEEP)],
+                         ids=["dense", "harp", "harp-mean", "harp-keep", "harp-mean-keep"])
 @pytest.mark.parametrize("budget, min_shared", [(768, 3), (16, 3), (768, 1000)], ids=["shared", "tiny-batches",
                                                                                       "no-sharing"])
-def test_score_requests_equals_the_definition(family, pruned, budget, min_shared):
+def test_score_requests_equals_the_definition(family, pruned, keep, budget, min_shared):
     model = make_tiny(family)  # Gemma's window is 8 tokens here: long prompts take the one-group path
     if pruned:  # the mean bypass's running sums see the right-padded batches: they must skip the padding
-        apply_harp(model, [0, 1, 2], {0: 0.3, 1: 0.9, 2: 0.0}, bypass=pruned)
+        apply_harp(model, [0, 1, 2], {0: 0.3, 1: 0.9, 2: 0.0}, bypass=pruned, keep_heads=keep)
     for long in (False, True):
         reqs = synthetic_requests(0, long)
         got = score_requests(model, reqs, max_batch_tokens=budget, min_shared=min_shared)

@@ -54,10 +54,10 @@ def check_alpha_map(alphas) -> dict[int, float]:
     return {int(k): check_alpha(k, v) for k, v in sorted(alphas.items())}
 
 
-def check_keep_heads(keep, alphas: dict[int, float], bypass: str = "identity") -> dict[int, list[int]]:
+def check_keep_heads(keep, alphas: dict[int, float]) -> dict[int, list[int]]:
     """{layer: [query head, ...]} validated against the plan's layers: a mapping, each layer one the plan bypasses,
-    each list of distinct head indices >= 0 (sorted on return; layers with an empty list are left out), the identity
-    bypass only. Whether the heads exist is checked against a model (`apply_harp`)."""
+    each list of distinct head indices >= 0 (sorted on return; layers with an empty list are left out). Whether the
+    heads exist is checked against a model (`apply_harp`)."""
     if keep is None:
         return {}
     if not isinstance(keep, dict):
@@ -73,9 +73,6 @@ def check_keep_heads(keep, alphas: dict[int, float], bypass: str = "identity") -
             raise ValueError(f"keep_heads of layer {layer} lists a head twice: {list(heads)}")
         if heads:
             out[int(layer)] = sorted(int(h) for h in heads)
-    if out and bypass != "identity":
-        raise ValueError(f"keeping heads is built for the identity bypass, not {bypass!r}: a layer that keeps heads "
-                         "has a K/V cache slot, which cannot also hold the mean's running sums")
     return dict(sorted(out.items()))
 
 
@@ -105,7 +102,7 @@ class HarpPlan:
         if not isinstance(self.meta, dict):
             raise ValueError(f"meta must be a mapping, got {type(self.meta).__name__}")
         check_bypass(self.bypass)
-        object.__setattr__(self, "keep_heads", check_keep_heads(self.keep_heads, self.alphas, self.bypass))
+        object.__setattr__(self, "keep_heads", check_keep_heads(self.keep_heads, self.alphas))
 
     @property
     def layers(self) -> list[int]:
@@ -168,16 +165,20 @@ def check_bypass(bypass) -> str:
     return bypass
 
 
-def check_kv_kept(adapter: Adapter, layers: list[int], bypass: str) -> None:
-    """Refuse a mean bypass that would leave no layer with its attention (and so its K/V cache slot): transformers
-    builds the cache that holds the running sums beside at least one ordinary slot, so `generate()` could not run."""
+def check_kv_kept(adapter: Adapter, layers: list[int], bypass: str, keep: dict[int, list[int]] | None = None
+                  ) -> None:
+    """Refuse a mean bypass that would leave no layer with a K/V cache slot (its attention, or some of its heads
+    kept): transformers builds the cache that holds the running sums beside at least one ordinary slot, so
+    `generate()` could not run."""
     if bypass != "mean":
         return
-    gone = sorted(set(layers) | {i for i in range(adapter.n_layers) if kind_of(adapter.attention(i)) is not None})
+    pruned = {i for i in range(adapter.n_layers) if kind_of(adapter.attention(i)) not in (None, "keep")}
+    gone = sorted((set(layers) - set(keep or {})) | pruned)
     if len(gone) == adapter.n_layers:
-        raise ValueError(f"the mean bypass needs at least one layer that keeps its attention (its K/V cache slot "
-                         f"carries the running sums' cache), but pruning layers {sorted(layers)} would leave none of "
-                         f"the model's {adapter.n_layers}: keep one layer's attention, or use the identity bypass")
+        raise ValueError(f"the mean bypass needs at least one layer that keeps its attention or some of its heads "
+                         f"(its K/V cache slot carries the running sums' cache), but pruning layers {sorted(layers)} "
+                         f"would leave none of the model's {adapter.n_layers}: keep one layer's attention or some "
+                         "heads, or use the identity bypass")
 
 
 def check_heads_exist(adapter: Adapter, keep: dict[int, list[int]]) -> dict[int, list[int]]:
@@ -190,10 +191,10 @@ def check_heads_exist(adapter: Adapter, keep: dict[int, list[int]]) -> dict[int,
     return keep
 
 
-def check_keep_for(adapter: Adapter, layers: list[int], keep, bypass: str = "identity") -> dict[int, list[int]]:
+def check_keep_for(adapter: Adapter, layers: list[int], keep) -> dict[int, list[int]]:
     """Kept heads for pruning (or searching) `layers`, checked before anything runs: only in those layers, heads the
-    model has, identity bypass only."""
-    return check_heads_exist(adapter, check_keep_heads(keep, dict.fromkeys(layers, 1.0), bypass))
+    model has."""
+    return check_heads_exist(adapter, check_keep_heads(keep, dict.fromkeys(layers, 1.0)))
 
 
 def _check_alphas(layers: list[int], alphas: float | dict[int, float]) -> dict[int, float]:
@@ -253,7 +254,7 @@ def apply_harp(
             positions up to it; decoding keeps a running sum per layer, no K/V).
         keep_heads: {layer: [query head, ...]}: in those bypassed layers these heads attend exactly as in the dense
             model and α scales only the other heads' bypass (`model.modeling_harp_keep`); only their KV groups keep K
-            and a cache. Identity bypass only.
+            and a cache; the other heads take `bypass`.
     Returns:
         The HarpPlan; `model.harp_plan` holds the union of all plans applied so far.
     """
@@ -264,7 +265,7 @@ def apply_harp(
     plan = HarpPlan(fingerprint(model.config), _check_alphas(layers, alphas), fold, dict(meta or {}),
                     check_bypass(bypass), keep_heads)
     check_heads_exist(adapter, plan.keep_heads)
-    check_kv_kept(adapter, layers, bypass)
+    check_kv_kept(adapter, layers, bypass, plan.keep_heads)
     previous = getattr(model, "harp_plan", None)
     for name in ("fold", "bypass"):
         if previous is not None and getattr(previous, name) != getattr(plan, name):
@@ -278,7 +279,7 @@ def apply_harp(
     for i in layers:
         if i in plan.keep_heads:
             adapter.set_attention(i, keep_heads_attention(adapter.attention(i), plan.keep_heads[i], plan.alphas[i],
-                                                          fold))
+                                                          fold, bypass))
         else:
             _prune_layer(adapter, i, plan.alphas[i], fold, bypass)
     mark_kv_free(model, [i for i in layers if i not in plan.keep_heads])

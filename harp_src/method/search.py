@@ -125,8 +125,8 @@ def search_alphas(
     if window_nll is not None and not cache_prefix:
         raise ValueError("per-window NLLs are recorded by the cached search: use cache_prefix=True")
     order, grid = check_search(model, calib, layers, grid)
-    check_kv_kept(get_adapter(model), order, check_bypass(bypass))  # refused now, not after the search
-    keep = check_keep_for(get_adapter(model), order, keep_heads, bypass)
+    keep = check_keep_for(get_adapter(model), order, keep_heads)
+    check_kv_kept(get_adapter(model), order, check_bypass(bypass), keep)  # refused now, not after the search
     memo = {} if memo is None else memo
     bounds = None
     chosen: dict[int, float] = {}

@@ -28,10 +28,10 @@ from transformers import (
     PretrainedConfig,
     Qwen2ForCausalLM,
 )
-from transformers.cache_utils import DummyLayer, StaticLayer
 
 from .modeling_harp_checks import FOLDED, FORMAT, MIXINGS, PLAN, STRUCTURE, first_problem, folded_problem
 from .modeling_harp_keep import keep_heads_attention
+from .modeling_harp_mean import causal_mean, mean_state, real_tokens
 
 ATTRIBUTES = ("num_heads", "num_key_value_heads", "num_key_value_groups")  # head counts attention modules read
 
@@ -41,90 +41,6 @@ def repeat_heads(v: torch.Tensor, head_dim: int, n_rep: int) -> torch.Tensor:
     if n_rep == 1:
         return v
     return v.unflatten(-1, (-1, head_dim)).repeat_interleave(n_rep, dim=-2).flatten(-2)
-
-
-def real_tokens(attention_mask, q_len: int) -> torch.Tensor | None:
-    """[B, q_len] bool: which of the current tokens are real (not padding), read from the 4D mask transformers
-    passes to attention (bool from sdpa, additive from eager). A real token attends to itself; a padding token's own
-    key is masked. The current tokens are the mask's last `q_len` key positions (dynamic caches, sliding or not).
-    None: no mask, every token is real."""
-    if attention_mask is None:
-        return None
-    if not torch.is_tensor(attention_mask) or attention_mask.dim() != 4:
-        raise ValueError(f"the mean bypass reads padding from a 4D tensor mask (sdpa or eager attention), got "
-                         f"{type(attention_mask).__name__}; load the model with attn_implementation='sdpa'")
-    allowed = attention_mask if attention_mask.dtype == torch.bool else (
-        attention_mask > torch.finfo(attention_mask.dtype).min / 2)
-    rows = torch.arange(q_len, device=allowed.device)
-    cols = rows + allowed.shape[-1] - q_len
-    return allowed[:, 0, rows, cols]
-
-
-class RunningMean(DummyLayer):
-    """A cache slot that keeps a mean-bypassed layer's decoding state: the sum of the value vectors seen so far and
-    their count, per sequence; constant size, no K/V. Beam search reorders it like any cache layer; it cannot be
-    cropped (a sum cannot forget its last tokens), so generation strategies that crop (assisted decoding) and
-    compiled static caches are refused."""
-
-    is_croppable = False
-    is_compileable = False
-
-    def __init__(self):
-        super().__init__()
-        self.sum = self.count = None
-
-    def reset(self) -> None:
-        self.sum = self.count = None
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
-            raise NotImplementedError("a mean-bypassed layer keeps a running sum, which cannot be cropped: generate "
-                                      "without assisted decoding or cache cropping")
-
-    def _select(self, fn) -> None:
-        if self.sum is not None:
-            self.sum, self.count = fn(self.sum), fn(self.count)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select(lambda t: t[indices])
-
-
-def causal_mean(v: torch.Tensor, real: torch.Tensor | None, state: RunningMean | None = None) -> torch.Tensor:
-    """Uniform causal average of v [B, T, D]: position t gets the mean of the real positions ≤ t (those of earlier
-    calls included when `state` carries them; 0 where none is real). O(T · D) by a cumulative sum in float32.
-    `state` is advanced past these positions."""
-    weight = torch.ones(v.shape[:2], dtype=torch.float32, device=v.device) if real is None else real.float()
-    sums = torch.cumsum(v.float() * weight[..., None], dim=1)
-    counts = torch.cumsum(weight, dim=1)[..., None]
-    if state is not None:
-        if state.sum is not None:
-            sums, counts = sums + state.sum[:, None], counts + state.count[:, None]
-        state.sum, state.count = sums[:, -1].clone(), counts[:, -1].clone()  # not views that hold all of `sums`
-    return (sums / counts.clamp_min(1.0)).to(v.dtype)
-
-
-def _mean_state(cache, layer_idx: int) -> RunningMean | None:
-    """The layer's running-mean slot in `cache` (made on first use in place of its empty slot); None without one.
-    Only dynamic caches: a static one's mask spans slots not yet written, and `real_tokens` would misread it."""
-    if cache is None:
-        return None
-    slots = cache.layers
-    if len(slots) <= layer_idx or any(isinstance(s, StaticLayer) for s in slots):
-        raise ValueError("the mean bypass keeps its running sums in a dynamic cache made from the pruned model's "
-                         "config (the default); a static cache, or one built without the config, is not supported")
-    if not isinstance(slots[layer_idx], RunningMean):
-        if not isinstance(slots[layer_idx], DummyLayer):
-            raise ValueError(f"layer {layer_idx} has a K/V slot in this cache, so its running mean has no place: "
-                             "build the cache from the pruned model's config, and keep at least one layer that is "
-                             "not mean-bypassed (transformers needs one ordinary slot)")
-        slots[layer_idx] = RunningMean()
-    return slots[layer_idx]
 
 
 class BypassAttention(nn.Module):
@@ -158,7 +74,7 @@ class BypassAttention(nn.Module):
         if self.mixing == "mean":
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             real = real_tokens(kwargs.get("attention_mask"), v.shape[1])
-            v = causal_mean(v, real, _mean_state(cache, self.layer_idx))
+            v = causal_mean(v, real, mean_state(cache, self.layer_idx))
         out = self.o_proj(repeat_heads(v, self.head_dim, self.n_rep))
         if self.scale is not None:
             out = out * self.scale
@@ -235,8 +151,9 @@ def _entry(path: str, module: nn.Module) -> dict | None:
     if kind == "scaled":
         return dict(path=path, kind=kind, scale=module.scale)
     if kind == "keep":
+        mean = {} if module.mixing == "identity" else dict(mixing=module.mixing)  # older readers see no change
         return dict(path=path, kind=kind, heads=module.heads, alpha=module.alpha, fold=module.fold,
-                    layer_idx=module.layer_idx)
+                    layer_idx=module.layer_idx, **mean)
     return None if kind is None else dict(path=path, kind=kind)
 
 
@@ -294,7 +211,8 @@ def _built(entry: dict, current: nn.Module) -> nn.Module:
     if kind == "scaled":
         return Scaled(current, entry["scale"])
     if kind == "keep":
-        return keep_heads_attention(current, entry["heads"], entry["alpha"], entry["fold"])
+        return keep_heads_attention(current, entry["heads"], entry["alpha"], entry["fold"],
+                                    entry.get("mixing", "identity"))
     if kind == "identity":
         return nn.Identity()
     if kind == "linear":
@@ -384,9 +302,9 @@ class _HarpCheckpoint:
             elif not plan:
                 warnings.warn("this model has no pruned module: saving an ordinary dense checkpoint", stacklevel=2)
             directory.mkdir(parents=True, exist_ok=True)  # the extra files first, so a Hub push carries them
-            if structure:  # this file and the two it imports
+            if structure:  # this file and the three it imports
                 for source in (Path(__file__), *(Path(__file__).with_name(f"modeling_harp_{part}.py")
-                                                 for part in ("checks", "keep"))):
+                                                 for part in ("checks", "keep", "mean"))):
                     shutil.copyfile(source, directory / source.name)
             tokenizer = getattr(self, "harp_tokenizer", None)
             if tokenizer is not None:

@@ -96,7 +96,8 @@ def entry_problem(entry, layout: Layout) -> str | None:
 
 
 def keep_problem(entry: dict, layout: Layout) -> str | None:
-    """A kept-heads entry must name distinct query heads of its attention, in order, an α in [0, 1] and its layer."""
+    """A kept-heads entry must name distinct query heads of its attention, in order, an α in [0, 1], its layer and a
+    known mixing."""
     path, dense, heads = entry["path"], layout.modules[entry["path"]], entry["heads"]
     n_heads = dense.q_proj.out_features // dense.head_dim
     if not heads or heads != sorted(set(heads)) or not all(
@@ -107,6 +108,8 @@ def keep_problem(entry: dict, layout: Layout) -> str | None:
     if entry.get("layer_idx") != layout.attention[path]:
         return f"{path}: its layer_idx is {entry.get('layer_idx')!r}, but it is the attention of layer " \
                f"{layout.attention[path]}"
+    if entry.get("mixing", "identity") not in MIXINGS:
+        return f"{path}: its mixing is {entry['mixing']!r}; known are {list(MIXINGS)}"
     return None
 
 
@@ -164,7 +167,7 @@ def harp_problem(structure: list[dict], harp, layout: Layout) -> str | None:
         if e["kind"] != "keep" and (a == 0) != (e["kind"] == "dropped"):
             return f"{e['path']}: its α is {a!r} by the plan, but the structure makes it a {e['kind']} module"
         problem = bypass_plan_problem(e, a, bypass, fold) if e["kind"] == "bypass" else \
-            keep_plan_problem(e, a, keep.get(str(i)), fold) if e["kind"] == "keep" else None
+            keep_plan_problem(e, a, keep.get(str(i)), bypass, fold) if e["kind"] == "keep" else None
         if problem:
             return problem
     wrong = next((e for i, e in scaled.items() if e["scale"] != alphas.get(i)), None)
@@ -185,14 +188,16 @@ def bypass_plan_problem(entry: dict, alpha, bypass: str, fold) -> str | None:
     return None
 
 
-def keep_plan_problem(entry: dict, alpha, heads, fold) -> str | None:
-    path = entry["path"]
+def keep_plan_problem(entry: dict, alpha, heads, bypass: str, fold) -> str | None:
+    path, mixing = entry["path"], entry.get("mixing", "identity")
     if heads != entry["heads"]:
         said = "no head" if heads is None else f"heads {heads!r}"
         return f"{path}: the plan keeps {said} in its layer, the structure keeps heads {entry['heads']!r}"
     if entry["alpha"] != alpha or entry["fold"] != fold:
         return f"{path}: its alpha and fold are {entry['alpha']!r}, {entry['fold']!r} in the structure but " \
                f"{alpha!r}, {fold!r} by the plan"
+    if mixing != bypass:
+        return f"{path}: its mixing is {bypass!r} by the plan but {mixing!r} in the structure"
     return None
 
 

@@ -1,8 +1,11 @@
 """HARP with a layer's retrieval heads kept: the kept query heads attend as in the dense model, every other head
-passes its own token's value through, scaled by the layer's α.
+passes its own token's value through, scaled by the layer's α (or, with the mean bypass, the mean value of the
+positions up to it).
 
 Per layer with kept heads K (query heads g read KV group g // n_rep, as `repeat_kv` orders them):
-    out = Σ_{g ∈ K} o_g(softmax(q_g k_{g//n_rep}ᵀ) v_{g//n_rep})  +  α · Σ_{g ∉ K} o_g(v_{g//n_rep})
+    out = Σ_{g ∈ K} o_g(softmax(q_g k_{g//n_rep}ᵀ) v_{g//n_rep})  +  α · Σ_{g ∉ K} o_g(A v_{g//n_rep})
+with A = I (identity bypass) or the uniform causal average (mean bypass, whose running sums the layer's K/V slot
+carries while decoding).
 Only the KV groups of kept heads keep K projections and a cache slot; V rows stay for every group some head still
 reads; Q rows of bypassed heads and o columns are deleted. α multiplies the bypassed heads' branch only, so in
 families with an attention-output norm (Gemma) it sits before that norm, where it sets the mix of the two branches.
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from .modeling_harp_checks import FOLDED
+from .modeling_harp_mean import causal_mean, mean_state, real_tokens
 
 
 def head_layout(n_heads: int, n_kv: int, heads: list[int], bypass: bool) -> dict:
@@ -123,15 +127,18 @@ class GivenValue(nn.Module):
 class KeepHeadsAttention(nn.Module):
     """A bypassed layer that keeps some query heads (see the module docstring). `attn` is the family's attention
     over the kept heads; `v_proj` holds the V rows of `value_groups`; `o_proj` the bypassed heads' o columns (folded:
-    summed per KV group and multiplied by α; unfolded: per head, with `scale` = α), or None when α = 0."""
+    summed per KV group and multiplied by α; unfolded: per head, with `scale` = α), or None when α = 0. `mixing`
+    is the bypassed heads' fixed attention matrix, "identity" or "mean"."""
 
     harp_kind = "keep"
 
     def __init__(self, attn: nn.Module, v_proj: nn.Linear, o_proj: nn.Linear | None, *, heads: list[int],
-                 layout: dict, head_dim: int, fold: bool, alpha: float, layer_idx: int | None):
+                 layout: dict, head_dim: int, fold: bool, alpha: float, layer_idx: int | None,
+                 mixing: str = "identity"):
         super().__init__()
         self.attn, self.v_proj, self.o_proj = attn, v_proj, o_proj
         self.heads, self.fold, self.alpha, self.layer_idx = list(heads), fold, alpha, layer_idx
+        self.mixing = mixing
         self.scale = None if fold or o_proj is None else alpha
         where = {g: k for k, g in enumerate(layout["value_groups"])}
         self.kept_values = Positions(units([where[g] for g in layout["kept_groups"]], head_dim))
@@ -150,12 +157,17 @@ class KeepHeadsAttention(nn.Module):
         finally:
             self.attn.v_proj.value = None
         if self.o_proj is not None:
-            bypass = self.o_proj(v.index_select(-1, self.bypass_values.on(v.device)))
+            values = v.index_select(-1, self.bypass_values.on(v.device))
+            if self.mixing == "mean":  # after the kept heads' attention, which made this layer's K/V slot
+                cache = kwargs.get("cache", kwargs.get("past_key_values"))
+                values = causal_mean(values, real_tokens(kwargs.get("attention_mask"), values.shape[1]),
+                                     mean_state(cache, self.layer_idx, keeps_kv=True))
+            bypass = self.o_proj(values)
             out = out + (bypass if self.scale is None else bypass * self.scale)
         return out, weights
 
     def extra_repr(self) -> str:
-        return f"heads={self.heads}, alpha={self.alpha}, fold={self.fold}"
+        return f"heads={self.heads}, alpha={self.alpha}, fold={self.fold}, mixing={self.mixing}"
 
 
 def _bypass_o_proj(o_proj: nn.Linear, layout: dict, head_dim: int, fold: bool, alpha: float) -> nn.Linear | None:
@@ -176,9 +188,11 @@ def _bypass_o_proj(o_proj: nn.Linear, layout: dict, head_dim: int, fold: bool, a
     return new
 
 
-def keep_heads_attention(attn: nn.Module, heads: list[int], alpha: float, fold: bool) -> KeepHeadsAttention:
+def keep_heads_attention(attn: nn.Module, heads: list[int], alpha: float, fold: bool, mixing: str = "identity"
+                         ) -> KeepHeadsAttention:
     """Layer attention `attn` (a dense family module, weights or not) turned into its kept-heads form; `attn` itself
-    becomes the kept heads' attention. The o_proj bias, if any, stays once, in the kept branch (not scaled by α)."""
+    becomes the kept heads' attention, the others are bypassed with `mixing` ("identity" or "mean"). The o_proj bias,
+    if any, stays once, in the kept branch (not scaled by α)."""
     head_dim = attn.head_dim
     n_heads, n_kv = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
     layout = head_layout(n_heads, n_kv, sorted(heads), alpha > 0)
@@ -195,4 +209,4 @@ def keep_heads_attention(attn: nn.Module, heads: list[int], alpha: float, fold: 
         if hasattr(attn, name):
             setattr(attn, name, value)
     return KeepHeadsAttention(attn, v_proj, o_bypass, heads=sorted(heads), layout=layout, head_dim=head_dim,
-                              fold=fold, alpha=alpha, layer_idx=getattr(attn, "layer_idx", None))
+                              fold=fold, alpha=alpha, layer_idx=getattr(attn, "layer_idx", None), mixing=mixing)
