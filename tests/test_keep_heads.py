@@ -12,6 +12,7 @@ import torch
 from test_mean_bypass import left_padded, uniform_causal_matrix
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from conftest import make_tiny
@@ -24,7 +25,7 @@ from harp_src.method.search import search_alphas
 from harp_src.model.adapter import get_adapter
 from harp_src.model.loading import resolve_source
 from harp_src.model.modeling_harp_keep import head_layout
-from harp_src.model.modeling_harp_mean import RunningMean, WithRunningMean
+from harp_src.model.modeling_harp_mean import WithRunningMean, causal_mean, mean_state
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 ALPHAS = {1: 0.6, 3: 0.3}
@@ -295,9 +296,8 @@ def test_a_plan_whose_kept_heads_disagree_with_the_checkpoint_is_refused(tokeniz
                 load()
 
 
-def test_the_mean_bypass_with_kept_heads_needs_a_dynamic_cache_and_one_kv_slot():
-    """Every layer mean-bypassed is refused unless one keeps heads (its K/V slot is transformers' ordinary slot);
-    caches that cannot carry the running sums, and cropping, are refused."""
+def test_every_layer_mean_bypassed_needs_one_that_keeps_heads():
+    """The mean's running sums need one ordinary K/V slot beside them: a layer that keeps heads has one."""
     model = make_tiny("llama")
     before = state(model)
     with pytest.raises(ValueError, match="at least one layer that keeps its attention or some of its heads"):
@@ -306,15 +306,65 @@ def test_the_mean_bypass_with_kept_heads_needs_a_dynamic_cache_and_one_kv_slot()
     apply_harp(model, "0-3", 0.8, bypass="mean", keep_heads={3: [1]})
     x, kw = ids(1, 9), dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert model.generate(x, **kw).tolist() == model.generate(x, use_cache=False, **kw).tolist()
+
+
+def test_a_kept_heads_layer_refuses_caches_that_cannot_carry_its_sums():
+    """Only layer 3 is pruned (mean, keeping a head), so every refusal comes from its K/V slot: static caches,
+    cropping (assisted decoding), a slot of another kind, and a slot holding earlier tokens without their sums."""
+    model = make_tiny("llama")
+    apply_harp(model, [3], 0.8, bypass="mean", keep_heads={3: [1]})
+    x, kw = ids(1, 9), dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     with pytest.raises(ValueError, match="a static cache, or one built without the config, is not supported"):
         model.generate(x, cache_implementation="static", **kw)
     with pytest.raises(ValueError, match="can be cropped"):  # transformers' own check: assisted decoding crops
         model.generate(x, prompt_lookup_num_tokens=2, **kw)
     with torch.no_grad():
         cache = model(x, use_cache=True).past_key_values
+    assert isinstance(cache.layers[3], WithRunningMean) and not cache.layers[3].is_croppable
     with pytest.raises(NotImplementedError, match="cannot be cropped"):
-        cache.crop(-2)
-    assert isinstance(cache.layers[3].running, RunningMean) and cache.layers[3].get_seq_length() == 9
+        cache.layers[3].crop(-2)
+    assert cache.layers[3].get_seq_length() == 9  # refused before its K/V were cut
+    cache.layers[3].crop(0)  # nothing to forget: allowed
+    with pytest.raises(ValueError, match="a DummyLayer cannot"):
+        mean_state(Slots([DummyLayer()]), 0, keeps_kv=True, q_len=1)
+    rebuilt = DynamicLayer()  # keys and values of 9 tokens, the sums lost
+    rebuilt.update(cache.layers[3].keys, cache.layers[3].values)
+    with pytest.raises(ValueError, match="holds 8 earlier tokens but not the running sums"):
+        mean_state(Slots([rebuilt]), 0, keeps_kv=True, q_len=1)
+
+
+class Slots:
+    """The one attribute of a cache that `mean_state` reads."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+
+
+@pytest.mark.parametrize("make", [DynamicLayer, lambda: DynamicSlidingWindowLayer(sliding_window=8)],
+                         ids=["full", "sliding"])
+def test_a_kept_heads_slot_moves_its_sums_with_its_keys_and_values(make):
+    """Row b of the keys and values holds b, row b of the sums 2b (two tokens): every batch operation of beam search
+    and of the fast scorer's copies must keep them in step, and a copy's selection must not reach the original."""
+    cache = Slots([make()])
+    kv = torch.arange(3.0)[:, None, None, None].expand(3, 1, 2, 4)  # [batch, KV heads, tokens, head_dim]
+    cache.layers[0].update(kv, kv)
+    causal_mean(torch.arange(3.0)[:, None, None].expand(3, 2, 4), None, mean_state(cache, 0, keeps_kv=True, q_len=2))
+    slot = cache.layers[0]
+
+    def rows(layer) -> tuple[list, list]:
+        return layer.keys[:, 0, 0, 0].tolist(), (layer.running.sum[:, 0] / 2).tolist()
+
+    slot.reorder_cache(torch.tensor([2, 0, 1]))
+    assert rows(slot) == ([2, 0, 1], [2, 0, 1])
+    slot.batch_select_indices(torch.tensor([0, 2]))
+    assert rows(slot) == ([2, 1], [2, 1])
+    slot.batch_repeat_interleave(2)
+    assert rows(slot) == ([2, 2, 1, 1], [2, 2, 1, 1])
+    other = copy.copy(slot)
+    other.batch_select_indices(torch.tensor([3]))
+    assert rows(other) == ([1], [1]) and rows(slot) == ([2, 2, 1, 1], [2, 2, 1, 1])
+    slot.reset()
+    assert slot.running.sum is None and slot.get_seq_length() == 0
 
 
 # ---------------------------------------------------------------------------------------------- α search and CLI

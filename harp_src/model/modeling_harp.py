@@ -46,7 +46,7 @@ def repeat_heads(v: torch.Tensor, head_dim: int, n_rep: int) -> torch.Tensor:
 class BypassAttention(nn.Module):
     """Attention with a fixed attention matrix: the identity (each token mixed only with itself; `mixing="identity"`)
     or the uniform causal average (each token reads the mean value of the positions up to it; `mixing="mean"`,
-    whose decoding state is a running sum per layer, see `RunningMean`).
+    whose decoding state is a running sum per layer, see `modeling_harp_mean.RunningMean`).
 
     `n_rep > 1` repeats KV heads before o_proj (unfolded form); folded, o_proj already sums the repeated
     heads and `n_rep == 1`. `scale` is α when it is not folded into the weights. `alpha` is the layer's α wherever

@@ -126,10 +126,11 @@ class SlidingLayerWithMean(WithRunningMean, DynamicSlidingWindowLayer):
 WITH_MEAN = {DynamicLayer: DynamicLayerWithMean, DynamicSlidingWindowLayer: SlidingLayerWithMean}
 
 
-def mean_state(cache, layer_idx: int, keeps_kv: bool = False) -> RunningMean | None:
+def mean_state(cache, layer_idx: int, keeps_kv: bool = False, q_len: int = 0) -> RunningMean | None:
     """The running sums of layer `layer_idx` in `cache` (None without a cache): its own slot for a layer with no K/V
     (made on first use in place of the empty slot), or carried by its K/V slot where the layer keeps heads
-    (`keeps_kv`). Only dynamic caches: a static one's mask spans slots not yet written, and `real_tokens` would
+    (`keeps_kv`; the slot, just updated with the current `q_len` tokens, must hold no earlier ones, whose sums would
+    be missing). Only dynamic caches: a static one's mask spans slots not yet written, and `real_tokens` would
     misread it."""
     if cache is None:
         return None
@@ -144,6 +145,10 @@ def mean_state(cache, layer_idx: int, keeps_kv: bool = False) -> RunningMean | N
         if type(slot) not in WITH_MEAN:
             raise ValueError(f"layer {layer_idx} keeps heads and mean-bypasses the others, so its K/V slot also "
                              f"holds running sums; a {type(slot).__name__} cannot: use the default dynamic cache")
+        if slot.get_seq_length() != q_len:
+            raise ValueError(f"layer {layer_idx}'s K/V slot holds {slot.get_seq_length() - q_len} earlier tokens but "
+                             "not the running sums of its mean-bypassed heads (a cache rebuilt from keys and values "
+                             "only?): decode with the cache the model's own forward returned")
         carrier = object.__new__(WITH_MEAN[type(slot)])  # the same K/V state; the cache reads its slots by index
         carrier.__dict__.update(vars(slot), running=RunningMean())
         slots[layer_idx] = carrier
