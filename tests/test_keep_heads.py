@@ -25,7 +25,7 @@ from harp_src.method.search import search_alphas
 from harp_src.model.adapter import get_adapter
 from harp_src.model.loading import resolve_source
 from harp_src.model.modeling_harp_keep import head_layout
-from harp_src.model.modeling_harp_mean import WithRunningMean, causal_mean, mean_state
+from harp_src.model.modeling_harp_mean import WithRunningMean, carried_mean_state, causal_mean
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 ALPHAS = {1: 0.6, 3: 0.3}
@@ -326,15 +326,15 @@ def test_a_kept_heads_layer_refuses_caches_that_cannot_carry_its_sums():
     assert cache.layers[3].get_seq_length() == 9  # refused before its K/V were cut
     cache.layers[3].crop(0)  # nothing to forget: allowed
     with pytest.raises(ValueError, match="a DummyLayer cannot"):
-        mean_state(Slots([DummyLayer()]), 0, keeps_kv=True, q_len=1)
+        carried_mean_state(Slots([DummyLayer()]), 0, 1)
     rebuilt = DynamicLayer()  # keys and values of 9 tokens, the sums lost
     rebuilt.update(cache.layers[3].keys, cache.layers[3].values)
     with pytest.raises(ValueError, match="holds 8 earlier tokens but not the running sums"):
-        mean_state(Slots([rebuilt]), 0, keeps_kv=True, q_len=1)
+        carried_mean_state(Slots([rebuilt]), 0, 1)
 
 
 class Slots:
-    """The one attribute of a cache that `mean_state` reads."""
+    """The one attribute of a cache that `carried_mean_state` reads."""
 
     def __init__(self, layers: list):
         self.layers = layers
@@ -348,7 +348,7 @@ def test_a_kept_heads_slot_moves_its_sums_with_its_keys_and_values(make):
     cache = Slots([make()])
     kv = torch.arange(3.0)[:, None, None, None].expand(3, 1, 2, 4)  # [batch, KV heads, tokens, head_dim]
     cache.layers[0].update(kv, kv)
-    causal_mean(torch.arange(3.0)[:, None, None].expand(3, 2, 4), None, mean_state(cache, 0, keeps_kv=True, q_len=2))
+    causal_mean(torch.arange(3.0)[:, None, None].expand(3, 2, 4), None, carried_mean_state(cache, 0, 2))
     slot = cache.layers[0]
 
     def rows(layer) -> tuple[list, list]:

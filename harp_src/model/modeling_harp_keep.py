@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .modeling_harp_checks import FOLDED
-from .modeling_harp_mean import causal_mean, mean_state, real_tokens
+from .modeling_harp_mean import carried_mean_state, causal_mean, real_tokens
 
 
 def head_layout(n_heads: int, n_kv: int, heads: list[int], bypass: bool) -> dict:
@@ -161,7 +161,7 @@ class KeepHeadsAttention(nn.Module):
             if self.mixing == "mean":  # after the kept heads' attention, which made this layer's K/V slot
                 cache = kwargs.get("cache", kwargs.get("past_key_values"))
                 values = causal_mean(values, real_tokens(kwargs.get("attention_mask"), values.shape[1]),
-                                     mean_state(cache, self.layer_idx, keeps_kv=True, q_len=values.shape[1]))
+                                     carried_mean_state(cache, self.layer_idx, values.shape[1]))
             bypass = self.o_proj(values)
             out = out + (bypass if self.scale is None else bypass * self.scale)
         return out, weights

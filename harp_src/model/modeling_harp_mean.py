@@ -126,37 +126,48 @@ class SlidingLayerWithMean(WithRunningMean, DynamicSlidingWindowLayer):
 WITH_MEAN = {DynamicLayer: DynamicLayerWithMean, DynamicSlidingWindowLayer: SlidingLayerWithMean}
 
 
-def mean_state(cache, layer_idx: int, keeps_kv: bool = False, q_len: int = 0) -> RunningMean | None:
-    """The running sums of layer `layer_idx` in `cache` (None without a cache): its own slot for a layer with no K/V
-    (made on first use in place of the empty slot), or carried by its K/V slot where the layer keeps heads
-    (`keeps_kv`; the slot, just updated with the current `q_len` tokens, must hold no earlier ones, whose sums would
-    be missing). Only dynamic caches: a static one's mask spans slots not yet written, and `real_tokens` would
-    misread it."""
-    if cache is None:
-        return None
+def dynamic_slots(cache, layer_idx: int) -> list:
+    """`cache.layers`, refused unless the cache is dynamic and has a slot for layer `layer_idx`: a static one's mask
+    spans slots not yet written, and `real_tokens` would misread it."""
     slots = cache.layers
     if len(slots) <= layer_idx or any(isinstance(s, StaticLayer) for s in slots):
         raise ValueError("the mean bypass keeps its running sums in a dynamic cache made from the pruned model's "
                          "config (the default); a static cache, or one built without the config, is not supported")
-    slot = slots[layer_idx]
-    if keeps_kv:
-        if isinstance(slot, WithRunningMean):
-            return slot.running
-        if type(slot) not in WITH_MEAN:
-            raise ValueError(f"layer {layer_idx} keeps heads and mean-bypasses the others, so its K/V slot also "
-                             f"holds running sums; a {type(slot).__name__} cannot: use the default dynamic cache")
-        if slot.get_seq_length() != q_len:
-            raise ValueError(f"layer {layer_idx}'s K/V slot holds {slot.get_seq_length() - q_len} earlier tokens but "
-                             "not the running sums of its mean-bypassed heads (a cache rebuilt from keys and values "
-                             "only?): decode with the cache the model's own forward returned")
-        carrier = object.__new__(WITH_MEAN[type(slot)])  # the same K/V state; the cache reads its slots by index
-        carrier.__dict__.update(vars(slot), running=RunningMean())
-        slots[layer_idx] = carrier
-        return carrier.running
-    if not isinstance(slot, RunningMean):
-        if not isinstance(slot, DummyLayer):
+    return slots
+
+
+def mean_state(cache, layer_idx: int) -> RunningMean | None:
+    """The running sums of a layer with no K/V in `cache` (None without a cache): its own slot, made on first use in
+    place of the empty one."""
+    if cache is None:
+        return None
+    slots = dynamic_slots(cache, layer_idx)
+    if not isinstance(slots[layer_idx], RunningMean):
+        if not isinstance(slots[layer_idx], DummyLayer):
             raise ValueError(f"layer {layer_idx} has a K/V slot in this cache, so its running mean has no place: "
                              "build the cache from the pruned model's config, and keep at least one layer that is "
                              "not mean-bypassed (transformers needs one ordinary slot)")
         slots[layer_idx] = RunningMean()
     return slots[layer_idx]
+
+
+def carried_mean_state(cache, layer_idx: int, q_len: int) -> RunningMean | None:
+    """The running sums of a layer that keeps heads, carried by its K/V slot in `cache` (None without a cache). On
+    first use the slot, just updated with the current `q_len` tokens, must hold no earlier ones: their sums would be
+    missing."""
+    if cache is None:
+        return None
+    slot = dynamic_slots(cache, layer_idx)[layer_idx]  # the kept heads' attention has just written it
+    if isinstance(slot, WithRunningMean):
+        return slot.running
+    if type(slot) not in WITH_MEAN:
+        raise ValueError(f"layer {layer_idx} keeps heads and mean-bypasses the others, so its K/V slot also "
+                         f"holds running sums; a {type(slot).__name__} cannot: use the default dynamic cache")
+    if slot.get_seq_length() != q_len:
+        raise ValueError(f"layer {layer_idx}'s K/V slot holds {slot.get_seq_length() - q_len} earlier tokens but "
+                         "not the running sums of its mean-bypassed heads (a cache rebuilt from keys and values "
+                         "only?): decode with the cache the model's own forward returned")
+    carrier = object.__new__(WITH_MEAN[type(slot)])  # the same K/V state; the cache reads its slots by index
+    carrier.__dict__.update(vars(slot), running=RunningMean())
+    cache.layers[layer_idx] = carrier
+    return carrier.running
